@@ -1,0 +1,173 @@
+"""Model-family registry: where a Hugging Face causal LM keeps what the capture needs.
+
+In: a target's ``config.json`` (its ``model_type``). Out: a :class:`Family` that says where the
+decoder layers, final norm, embeddings, lm_head and routed-expert blocks live, which sub-config
+is the text config, how many routed experts there are, and which parallel layouts the family
+supports. Every model-type difference in the project lives here as data: no other module
+branches on ``model_type``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ds_capture.errors import CaptureError
+
+
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _mean_over_hyper_connections(hidden: torch.Tensor) -> torch.Tensor:
+    # DeepSeek-V4 hyper-connection layers emit [B, S, hc, H]; the feature is the mean over hc.
+    return hidden.mean(dim=-2) if hidden.dim() == 4 else hidden
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """Where one model family keeps its parts (dotted attribute paths from the CausalLM root)."""
+
+    model_type: str
+    """``config.model_type`` of the checkpoint (the outer one for multimodal wrappers)."""
+    text_config_attr: str | None = None
+    """Attribute of the config holding the text decoder's config (``None``: the config itself)."""
+    layers: str = "model.layers"
+    """The ``nn.ModuleList`` of decoder layers."""
+    final_norm: str = "model.norm"
+    """The final norm; its output is the last hidden state (layer id L-1)."""
+    embed_tokens: str = "model.embed_tokens"
+    lm_head: str = "lm_head"
+    embed_weight_key: str = "model.embed_tokens.weight"
+    """Checkpoint key of the embedding matrix."""
+    lm_head_weight_key: str = "lm_head.weight"
+    """Checkpoint key of the lm_head matrix (absent when tied: the embedding is used)."""
+    moe_block: str | None = None
+    """Attribute of a decoder layer holding the sparse MoE block (``None``: dense family)."""
+    experts: str = "experts"
+    """Attribute of the MoE block holding the fused routed experts."""
+    router: str = "gate"
+    """Attribute of the MoE block holding the router."""
+    num_experts_key: str | None = None
+    """Text-config field giving the number of routed experts."""
+    reduce_layer_output: Callable[[torch.Tensor], torch.Tensor] = _identity
+    """Maps a decoder layer's output to its [B, S, H] feature."""
+    supports_tp: bool = True
+    """AutoTP shards this family's attention correctly."""
+    tp_refusal: str = ""
+    supports_ep: bool = True
+    ep_refusal: str = ""
+    refusal: str = ""
+    """Non-empty: the family cannot be captured at all (the reason, shown to the user)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def text_config(self, config: Any) -> Any:
+        """The text decoder's config object (``config`` itself for plain causal LMs)."""
+        return getattr(config, self.text_config_attr) if self.text_config_attr else config
+
+    def text_config_dict(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The same, on a raw ``config.json`` mapping."""
+        return config.get(self.text_config_attr, {}) if self.text_config_attr else config
+
+    def num_experts(self, text_config: Mapping[str, Any]) -> int | None:
+        if self.num_experts_key is None:
+            return None
+        value = text_config.get(self.num_experts_key)
+        return int(value) if value else None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_block is not None
+
+
+_MULTIMODAL_ONLY = (
+    "model_type {model_type!r} is a multimodal-only target: its cache would not be text-only, which the "
+    "DSpark cache format (v1) cannot represent. Use a text-only target checkpoint."
+)
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family(model_type="llama"),
+        Family(model_type="qwen2"),
+        Family(model_type="qwen3"),
+        Family(model_type="mistral"),
+        Family(model_type="qwen3_moe", moe_block="mlp", num_experts_key="num_experts"),
+        Family(model_type="mixtral", moe_block="mlp", num_experts_key="num_local_experts"),
+        Family(model_type="deepseek_v3", moe_block="mlp", num_experts_key="n_routed_experts"),
+        Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
+    )
+}
+
+
+def get_family(model_type: str, *, source: str = "config.json") -> Family:
+    """The registry entry for ``model_type``; a ``CaptureError`` naming the supported ones otherwise."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        supported = ", ".join(sorted(name for name, f in FAMILIES.items() if not f.refusal))
+        raise CaptureError(
+            f"{source}: model_type {model_type!r} is not a supported target family. Supported: {supported}."
+        )
+    if family.refusal:
+        raise CaptureError(f"{source}: " + family.refusal.format(model_type=model_type))
+    return family
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetInfo:
+    """What the run needs to know about the target before any weight loads (from ``config.json``)."""
+
+    path: Path
+    family: Family
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    num_experts: int | None
+    tie_word_embeddings: bool
+
+
+def read_target_info(target_dir: Path) -> TargetInfo:
+    """Read ``target_dir/config.json`` and resolve the family; nothing heavier is touched."""
+    config_path = Path(target_dir) / "config.json"
+    if not config_path.is_file():
+        raise CaptureError(
+            f"recipe_args.target_model_name_or_path: {target_dir} has no config.json. Point it at a local "
+            "Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer files)."
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
+    model_type = config.get("model_type", "")
+    family = get_family(model_type, source=str(config_path))
+    text = family.text_config_dict(config)
+    missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if key not in text]
+    if missing:
+        raise CaptureError(f"{config_path}: the text config lacks {', '.join(missing)}.")
+    return TargetInfo(
+        path=Path(target_dir),
+        family=family,
+        model_type=model_type,
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=int(text["num_attention_heads"]),
+        num_key_value_heads=text.get("num_key_value_heads"),
+        num_experts=family.num_experts(text),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+    )
+
+
+def get_submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
+    """``root.get_submodule`` with an error that names the family path (a registry bug, not a user error)."""
+    try:
+        return root.get_submodule(dotted)
+    except AttributeError as error:
+        raise AttributeError(f"family path {dotted!r} not found on {type(root).__name__}") from error
