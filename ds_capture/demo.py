@@ -1,0 +1,265 @@
+"""The embedded demo: a tiny random-init target, its tokenizer and a bundled chat dataset.
+
+In: a model family name (a key of ``TINY_CONFIGS``), a seed and config overrides; or the special
+config values ``demo:qwen3_moe_tiny`` / ``demo:conversations``.
+Out: a Hugging Face checkpoint directory (sharded safetensors + index, config, generation config,
+tokenizer with a ChatML template carrying ``{% generation %}`` markers), built deterministically:
+same arguments, same bytes. ``ensure_demo_target()`` builds the default target once under
+``demo_home()/targets`` and is safe to call from several ranks at once.
+
+Used by the demo run (``ds-capture run`` with no target configured), the tests and the benchmarks:
+no model hub is needed anywhere.
+"""
+
+import fcntl
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ds_capture.errors import CaptureError
+
+DEMO_TARGET = "demo:qwen3_moe_tiny"
+DEMO_DATA = "demo:conversations"
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, "<think>", "</think>"]
+
+# ChatML as Qwen writes it; the assistant body sits inside generation markers so
+# apply_chat_template(return_assistant_tokens_mask=True) yields the loss mask directly.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}"
+    "{%- if message.reasoning_content is string and message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- endgeneration %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# model_type -> kwargs of its transformers config class. Tiny but real architectures; the
+# initializer_range is large on purpose: HF's default 0.02 leaves a tiny model's hidden
+# states nearly constant across layers and its routing nearly uniform.
+_COMMON = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=4096,
+    initializer_range=0.15,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen3": dict(_COMMON, hidden_size=64, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+    "qwen3_moe": dict(
+        _COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+    ),
+    "deepseek_v3": dict(
+        _COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
+    "mixtral": dict(
+        _COMMON, hidden_size=64, intermediate_size=64, num_key_value_heads=2, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+}
+
+# The default demo target: ~8.5 MB in fp32.
+DEMO_MODEL_TYPE = "qwen3_moe"
+DEMO_CONFIG: dict = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32)
+DEMO_SEED = 0
+DEMO_TARGET_NAME = "qwen3_moe_tiny"
+_FINGERPRINT_FILE = "ds_capture_demo.json"
+
+
+def demo_home() -> Path:
+    """Where demo artefacts live: ``$DS_CAPTURE_HOME`` if set, else ``~/.cache/ds_capture``."""
+    home = os.environ.get("DS_CAPTURE_HOME")
+    return Path(home) if home else Path.home() / ".cache" / "ds_capture"
+
+
+def demo_data_path() -> Path:
+    """The bundled demo conversations (OpenAI-format JSONL), inside the installed package."""
+    return Path(__file__).parent / "demo_data" / "conversations.jsonl"
+
+
+def resolve_special_path(value: str) -> str:
+    """Map ``demo:...`` config values to real paths (building the demo target if needed)."""
+    if not value.startswith("demo:"):
+        return value
+    resolvers = {DEMO_TARGET: lambda: str(ensure_demo_target()), DEMO_DATA: lambda: str(demo_data_path())}
+    if value not in resolvers:
+        raise CaptureError(
+            f"unknown demo name {value!r}: the valid demo names are {', '.join(sorted(resolvers))}; "
+            "use one of them, or give a real path or model id instead."
+        )
+    return resolvers[value]()
+
+
+def _conversation_texts(path: Path) -> list[str]:
+    """Every content / reasoning string of the demo conversations, in file order."""
+    texts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        for message in json.loads(line)["messages"]:
+            texts.append(message["content"])
+            texts.extend([message["reasoning_content"]] if message.get("reasoning_content") else [])
+    return texts
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 2048) -> transformers.PreTrainedTokenizerFast:
+    """Train a ByteLevel BPE tokenizer in-process (deterministic) with the ChatML specials and template."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        padding_side="right",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def demo_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer trained on the bundled conversations; trained once per process (do not mutate it)."""
+    return train_tokenizer(_conversation_texts(demo_data_path()))
+
+
+def _padded_vocab_size(tokenizer) -> int:
+    """The tokenizer length rounded up to a multiple of 64, as real checkpoints pad their embeddings."""
+    return 64 * math.ceil(len(tokenizer) / 64)
+
+
+def build_tiny_target(
+    out_dir: Path,
+    model_type: str = "qwen3_moe",
+    *,
+    seed: int = 0,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | int = "auto",
+    **config_overrides,
+) -> Path:
+    """Build a random-init ``model_type`` checkpoint at ``out_dir``; same arguments give the same bytes.
+
+    ``max_shard_size="auto"`` splits the weights into about three safetensors files, so loaders
+    always meet an index and several shards. ``out_dir`` is written in a sibling temp directory and
+    renamed into place; an existing ``out_dir`` is replaced.
+    """
+    if model_type not in TINY_CONFIGS:
+        raise CaptureError(
+            f"no tiny config for model_type {model_type!r}: the known families are "
+            f"{', '.join(sorted(TINY_CONFIGS))}; add an entry to ds_capture.demo.TINY_CONFIGS."
+        )
+    tokenizer = demo_tokenizer() if tokenizer is None else tokenizer
+    special_ids = dict(
+        vocab_size=_padded_vocab_size(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **special_ids, **config_overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype).eval()
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
+    )
+    if max_shard_size == "auto":
+        num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        max_shard_size = math.ceil(num_bytes / 3)
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(staging)
+        _replace_dir(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` onto ``dst``; a non-empty ``dst`` is moved aside first, then deleted."""
+    if dst.exists() and any(dst.iterdir()):
+        trash = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.replace(dst, trash / dst.name)
+        os.replace(src, dst)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def _demo_fingerprint() -> dict:
+    """What the demo target is built from; a cached target with another fingerprint is rebuilt."""
+    data_sha = hashlib.sha256(demo_data_path().read_bytes()).hexdigest()
+    return dict(
+        model_type=DEMO_MODEL_TYPE,
+        config=DEMO_CONFIG,
+        seed=DEMO_SEED,
+        data_sha256=data_sha,
+        chat_template_sha256=hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest(),
+        transformers=transformers.__version__,
+    )
+
+
+def _is_current(target: Path, fingerprint: dict) -> bool:
+    stamp = target / _FINGERPRINT_FILE
+    return stamp.is_file() and json.loads(stamp.read_text()) == fingerprint
+
+
+def ensure_demo_target() -> Path:
+    """Build the default demo target once under ``demo_home()/targets`` and return its directory.
+
+    Several ranks may call this at once: one builds under an exclusive file lock while the others
+    wait on it, then find the finished directory (it appears by atomic rename, never half-written).
+    """
+    target = demo_home() / "targets" / DEMO_TARGET_NAME
+    fingerprint = _demo_fingerprint()
+    if _is_current(target, fingerprint):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{DEMO_TARGET_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not _is_current(target, fingerprint):
+                staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_TARGET_NAME}.build-", dir=target.parent))
+                try:
+                    built = build_tiny_target(staging / DEMO_TARGET_NAME, DEMO_MODEL_TYPE, seed=DEMO_SEED, **DEMO_CONFIG)
+                    # The stamp goes in before the rename, so a visible target is always complete.
+                    (built / _FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
+                    _replace_dir(built, target)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
