@@ -135,20 +135,25 @@ REASONING = [
     "I should check the numbers before I answer.",
 ]
 
+# (user question, tool name, call arguments, tool result, assistant reply); "{city}", "{n}" are filled in.
 TOOLS = [
-    ("get_weather", '{{"city": "{city}"}}', '{{"city": "{city}", "temp_c": {n}, "sky": "cloudy"}}',
-     "It is {n} degrees and cloudy in {city} right now."),
-    ("search_recipes", '{{"query": "{city} dinner"}}', '{{"results": ["stew", "flatbread", "salad"]}}',
-     "I found three ideas: a stew, flatbread and a salad."),
-    ("convert_currency", '{{"amount": {n}, "to": "EUR"}}', '{{"amount_eur": {n}.5}}',
-     "That is about {n}.5 euros."),
+    ("What is the weather like in {city} today?", "get_weather", '{{"city": "{city}"}}',
+     '{{"city": "{city}", "temp_c": {n}, "sky": "cloudy"}}', "It is {n} degrees and cloudy in {city} right now."),
+    ("Find me a dinner recipe popular in {city}.", "search_recipes", '{{"query": "{city} dinner"}}',
+     '{{"results": ["stew", "flatbread", "salad"]}}', "I found three ideas from {city}: a stew, flatbread and a salad."),
+    ("How much is {n} dollars in euros?", "convert_currency", '{{"amount": {n}, "to": "EUR"}}',
+     '{{"amount_eur": {n}.5}}', "{n} dollars is about {n}.5 euros at today's rate."),
 ]
 CITIES = ["Lisbon", "Kyoto", "Oslo", "Lima", "Nairobi", "Hanoi", "Denver"]
 
 
 def write_answer(rng: random.Random, sentences: list[str], subject: str, num_sentences: int) -> str:
     """Join ``num_sentences`` sentences drawn from the bank into paragraphs of 2-5 sentences."""
-    picked = [rng.choice(sentences).replace("{s}", subject) for _ in range(num_sentences)]
+    # Draw without replacement, reshuffling the bank when it runs out, so sentences rarely repeat.
+    picked = []
+    while len(picked) < num_sentences:
+        picked += rng.sample(sentences, k=min(len(sentences), num_sentences - len(picked)))
+    picked = [s.replace("{s}", subject) for s in picked]
     picked = [s[0].upper() + s[1:] for s in picked]
     paragraphs, i = [], 0
     while i < len(picked):
@@ -169,26 +174,27 @@ def make_conversation(rng: random.Random, index: int) -> dict:
     messages = []
     if index % 3 == 0:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-    num_turns = 1 if rng.random() < 0.4 else rng.randint(2, 6)
+    num_turns = rng.choices(range(1, 7), weights=[45, 20, 15, 10, 5, 5])[0]
     for turn in range(num_turns):
         question = rng.choice(questions).replace("{s}", subject) if turn == 0 else rng.choice(FOLLOW_UPS)
-        messages.append({"role": "user", "content": question})
         if has_tool and turn == 0:
-            name, args, result, reply = rng.choice(TOOLS)
+            ask, name, args, result, reply = rng.choice(TOOLS)
             fill = {"city": rng.choice(CITIES), "n": rng.randint(3, 40)}
+            messages.append({"role": "user", "content": ask.format(**fill)})
             messages.append({"role": "assistant", "content": f"<tool_call>{name}({args.format(**fill)})</tool_call>"})
             messages.append({"role": "tool", "content": result.format(**fill)})
             messages.append({"role": "assistant", "content": reply.format(**fill)})
             continue
-        num_sentences = rng.randint(28, 40) // num_turns + 2 if is_long else rng.randint(1, 4)
+        messages.append({"role": "user", "content": question})
+        num_sentences = rng.randint(28, 40) // num_turns + 2 if is_long else rng.randint(1, 3)
         message = {"role": "assistant", "content": write_answer(rng, answers, subject, num_sentences)}
         if has_reasoning and turn == num_turns - 1:
-            steps = rng.randint(2, 4)
-            message["reasoning_content"] = " ".join(rng.choice(REASONING).replace("{s}", subject) for _ in range(steps))
+            steps = rng.sample(REASONING, k=rng.randint(2, 4))
+            message["reasoning_content"] = " ".join(step.replace("{s}", subject) for step in steps)
         messages.append(message)
     if is_long:
-        # Long rows must exceed 2000 characters so seq_length 512 truncates them.
-        while sum(len(m["content"]) for m in messages) <= 2200:
+        # Long rows must exceed 2000 characters (and 512 demo tokens) so seq_length 512 truncates them.
+        while sum(len(m["content"]) for m in messages) <= 2800:
             messages[-1]["content"] += "\n\n" + write_answer(rng, answers, subject, 6)
     return {"messages": messages}
 
