@@ -178,7 +178,7 @@ def test_expected_shard_tensors():
 
 def test_consistency_problems():
     assert make_manifest().consistency_problems() == []
-    assert make_manifest(target_hidden_dim=16, target_layer_ids=(3, 1)).consistency_problems() == [
+    assert make_manifest(target_hidden_dim=20, target_layer_ids=(3, 1)).consistency_problems() == [
         "target_layer_ids [3, 1] must be strictly increasing within -1..3",
-        "target_hidden_dim 16 != hidden_size 8 x 2 layer ids",
+        "target_hidden_dim 20 != hidden_size 8 x 2 layer ids",
     ]
