@@ -199,17 +199,22 @@ def make_conversation(rng: random.Random, index: int) -> dict:
     return {"messages": messages}
 
 
+def render_conversations(num_rows: int, seed: int) -> str:
+    """The whole JSONL text: ``num_rows`` conversations from one seeded generator."""
+    rng = random.Random(seed)
+    lines = [json.dumps(make_conversation(rng, i), ensure_ascii=False) for i in range(num_rows)]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT_DEFAULT)
     parser.add_argument("--num-rows", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-    rng = random.Random(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(make_conversation(rng, i), ensure_ascii=False) for i in range(args.num_rows)]
-    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {len(lines)} conversations to {args.out}")
+    args.out.write_text(render_conversations(args.num_rows, args.seed), encoding="utf-8")
+    print(f"wrote {args.num_rows} conversations to {args.out}")
 
 
 if __name__ == "__main__":
