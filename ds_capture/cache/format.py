@@ -131,7 +131,9 @@ class Manifest:
                 "Delete the cache directory and re-run, or point at the right directory."
             ) from None
         if not isinstance(obj, dict):
-            raise CaptureError(f"{source} holds a JSON {type(obj).__name__}, not an object; it is not a cache manifest.")
+            raise CaptureError(
+                f"{source} holds a JSON {_json_type(obj)}, not an object; it is not a cache manifest."
+            )
         values: dict[str, Any] = {}
         for name, kind in _FIELD_TYPES.items():
             if name not in obj:

@@ -114,7 +114,8 @@ def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     present = _shard_indices(cache_dir)
     expected = set(range(manifest.num_shards))
     if missing := sorted(expected - present):
-        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. {shard_name(manifest.num_shards - 1)})")
+        last = shard_name(manifest.num_shards - 1)
+        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. {last})")
     if extra := sorted(present - expected):
         problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {_list_names(extra)}")
 
@@ -188,7 +189,7 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
     for key, (shape, dtype) in expected.items():
         t = tensors[key]
         if tuple(t.shape) != shape or t.dtype != dtype:
-            problems.append(f"{name}: {key} is {list(t.shape)} {_dtype_name(t.dtype)}, expected {list(shape)} {_dtype_name(dtype)}")
+            problems.append(f"{name}: {_layout_mismatch(key, t, shape, dtype)}")
             bad_layout = True
     if bad_layout:
         return
@@ -199,7 +200,9 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
         bad = ~torch.isfinite(tensors[key])
         if bad.any():
             row, pos = bad.nonzero()[0][:2].tolist()
-            problems.append(f"{name}: {key} holds {int(bad.sum())} non-finite values (NaN/inf), first at row {row} position {pos}")
+            problems.append(
+                f"{name}: {key} holds {int(bad.sum())} non-finite values (NaN/inf), first at row {row} position {pos}"
+            )
     if not ((loss_mask == 0) | (loss_mask == 1)).all():
         values = sorted(set(loss_mask.unique().tolist()) - {0, 1})
         problems.append(f"{name}: loss_mask holds values other than 0/1: {values[:_MAX_LISTED]}")
@@ -213,7 +216,8 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
     if on_pad.any():
         row, pos = on_pad.nonzero()[0].tolist()
         problems.append(
-            f"{name}: loss_mask is 1 on {int(on_pad.sum())} padding positions (pad id {report.pad_id}), first at row {row} position {pos}"
+            f"{name}: loss_mask is 1 on {int(on_pad.sum())} padding positions (pad id {report.pad_id}), "
+            f"first at row {row} position {pos}"
         )
     report.num_tokens += int((S - num_pad).sum())
     report.num_supervised_tokens += int(loss_mask.sum())
@@ -231,9 +235,12 @@ def _verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
     name = shard_name(index)
     recorded = read_recorded_checksum(cache_dir, index)
     if recorded is None:
-        report.problems.append(f"{name}: no recorded sha256 ({BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}) to check against")
+        record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
+        report.problems.append(f"{name}: no recorded sha256 ({record}) to check against")
     elif (actual := sha256_file(cache_dir / name)) != recorded:
-        report.problems.append(f"{name}: sha256 {actual} differs from the recorded {recorded}: the file changed after it was written")
+        report.problems.append(
+            f"{name}: sha256 {actual} differs from the recorded {recorded}: the file changed after it was written"
+        )
 
 
 def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) -> None:
@@ -253,15 +260,16 @@ def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) ->
     for key, (shape, dtype) in expected.items():
         t = tensors[key]
         if tuple(t.shape) != shape or t.dtype != dtype:
-            problems.append(
-                f"{TARGET_WEIGHTS_NAME}: {key} is {list(t.shape)} {_dtype_name(t.dtype)}, expected {list(shape)} {_dtype_name(dtype)}"
-            )
+            problems.append(f"{TARGET_WEIGHTS_NAME}: {_layout_mismatch(key, t, shape, dtype)}")
         elif not torch.isfinite(t).all():
             problems.append(f"{TARGET_WEIGHTS_NAME}: {key} holds non-finite values (NaN/inf)")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _layout_mismatch(key: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    def dtype_name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    return f"{key} is {list(t.shape)} {dtype_name(t.dtype)}, expected {list(shape)} {dtype_name(dtype)}"
 
 
 def inspect_cache(cache_dir: Path) -> dict[str, Any]:
@@ -302,8 +310,9 @@ def inspect_cache(cache_dir: Path) -> dict[str, Any]:
 def format_inspect(info: dict[str, Any]) -> str:
     """Human text for ``inspect_cache``'s dict."""
     samples, tokens = info["samples"], info["tokens"]
+    state = "complete" if info["complete"] else "INCOMPLETE"
     lines = [
-        f"cache        {info['cache_dir']} ({'complete' if info['complete'] else 'INCOMPLETE'}, format v{info['format_version']})",
+        f"cache        {info['cache_dir']} ({state}, format v{info['format_version']})",
         f"samples      {samples} in {info['shards']}/{info['expected_shards']} shards of {info['shard_size']}",
         f"seq_length   {info['seq_length']}",
         f"tokens       {tokens} non-padding ({tokens / max(samples, 1):.1f} per sample), pad id {info['pad_id']}",

@@ -131,7 +131,9 @@ def _refuse_foreign_entries(out_dir: Path) -> None:
     own = {TARGET_WEIGHTS_NAME, BOOKKEEPING_DIR}
     foreign = sorted(e.name for e in out_dir.iterdir() if e.name not in own and not e.name.endswith(TMP_SUFFIX))
     if foreign:
-        listed = ", ".join(foreign[:_MAX_LISTED]) + (f" (and {len(foreign) - _MAX_LISTED} more)" if len(foreign) > _MAX_LISTED else "")
+        listed = ", ".join(foreign[:_MAX_LISTED])
+        if len(foreign) > _MAX_LISTED:
+            listed += f" (and {len(foreign) - _MAX_LISTED} more)"
         raise CaptureError(
             f"cache_output_dir {out_dir} is not empty and holds no ds_capture/NeMo cache manifest "
             f"({MANIFEST_NAME}): it contains {listed}. Use a new or empty cache_output_dir."
@@ -159,7 +161,8 @@ def _shard_is_done(out_dir: Path, index: int, manifest: Manifest) -> bool:
             found = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
     except Exception:  # any unreadable header means "recompute", whatever safetensors raises
         return False
-    expected = {key: (shape, _SAFETENSORS_DTYPE[dtype]) for key, (shape, dtype) in manifest.expected_shard_tensors(index).items()}
+    expected_tensors = manifest.expected_shard_tensors(index).items()
+    expected = {key: (shape, _SAFETENSORS_DTYPE[dtype]) for key, (shape, dtype) in expected_tensors}
     return found == expected and sha256_file(path) == recorded
 
 
@@ -221,4 +224,6 @@ def _check_shard_tensors(index: int, tensors: dict[str, torch.Tensor], manifest:
                 f"shard {index}: {key} is {tuple(t.shape)} {t.dtype}, the manifest expects {shape} {dtype}"
             )
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"shard {index}: {key} must be a contiguous CPU tensor (is {t.device}, contiguous={t.is_contiguous()})")
+            raise ValueError(
+                f"shard {index}: {key} must be a contiguous CPU tensor (is {t.device}, contiguous={t.is_contiguous()})"
+            )
