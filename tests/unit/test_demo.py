@@ -125,6 +125,7 @@ def test_tiny_target_loads_and_runs(tmp_path, model_type):
     assert (config.pad_token_id, config.eos_token_id, config.tie_word_embeddings) == (0, 2, False)
     assert config.num_hidden_layers == 4 and config.max_position_embeddings >= 2048
     assert tokenizer.chat_template == demo.CHATML_TEMPLATE
+    assert (tokenizer.pad_token, tokenizer.eos_token, tokenizer.padding_side) == ("<|endoftext|>", "<|im_end|>", "right")
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer.apply_chat_template(CONVERSATION)["input_ids"]])
