@@ -367,38 +367,61 @@ def tokenize_conversations(
     """Render, tokenize, right-truncate and right-pad every conversation, with NeMo's loss masks."""
     renderer = _Renderer(tokenizer, chat_template)
     has_markers = _GENERATION_RE.search(chat_template) is not None
-    num_rows = len(conversations)
-    input_ids = torch.full((num_rows, seq_length), pad_token_id(tokenizer), dtype=torch.int64)
-    loss_mask = torch.zeros((num_rows, seq_length), dtype=torch.int64)
-    num_tokens = torch.zeros(num_rows, dtype=torch.int64)
-    warned = False
-    for first in range(0, num_rows, _RENDER_CHUNK):
+    if "reasoning_content" not in chat_template and any(_reasoning_turns(c) for c in conversations):
+        logger.warning("Rows carry reasoning_content but the chat template never renders it.")
+    ids_rows: list[list[int]] = []
+    mask_rows: list[list[int]] = []
+    for first in range(0, len(conversations), _RENDER_CHUNK):
         chunk = conversations[first : first + _RENDER_CHUNK]
         # Untruncated renders: right truncation of a fast tokenizer equals slicing them, and the
         # reasoning / generation-prompt masks are located in the untruncated render (as NeMo does).
         full_ids, marker_masks = renderer.render(chunk, assistant_mask=has_markers)
-        for offset, messages in enumerate(chunk):
-            row = first + offset
-            ids = full_ids[offset]
+        # Every extra render the masks need, for the whole chunk, in one batched call per kind.
+        renders = _BatchedRenders(renderer)
+        for row, messages in enumerate(chunk):
+            if not has_markers:
+                for k in _prefix_bounds(messages):
+                    renders.want(("prefix", row, k), messages[:k])
+            if mask_generation_prompt:
+                for i in _assistant_turns(messages, skip_leading=True):
+                    renders.want(("prefix", row, i), messages[:i])
+                    for mode in renderer.prompt_modes:
+                        renders.want(("prompt", row, i, *mode.items()), messages[:i], add_generation_prompt=True, **mode)
+            if mask_reasoning_content:
+                for i in _reasoning_turns(messages):
+                    emptied = {**messages[i], "reasoning_content": ""}
+                    renders.want(("reasoning", row, i), messages[:i] + [emptied] + messages[i + 1 :])
+        renders.run()
+        for row, messages in enumerate(chunk):
+            ids = full_ids[row]
             kept = min(len(ids), seq_length)
             if has_markers:
-                mask = marker_masks[offset][:kept]
+                mask = marker_masks[row][:kept]
             else:
-                mask = _prefix_span_mask(renderer, messages, ids, seq_length, row)
+                mask = _prefix_span_mask(renders, renderer, row, messages, ids, seq_length, first + row)
+            cleared = []
             if mask_generation_prompt:
-                for start, stop in _generation_prompt_spans(renderer, messages, ids, seq_length):
-                    mask[start : min(stop, kept)] = [0] * max(0, min(stop, kept) - start)
-            has_reasoning = any(m["role"] == "assistant" and m.get("reasoning_content") for m in messages)
-            if has_reasoning and "reasoning_content" not in chat_template and not warned:
-                warned = True
-                logger.warning("Rows carry reasoning_content but the chat template never renders it.")
-            if mask_reasoning_content and has_reasoning:
-                for start, stop in _reasoning_spans(renderer, messages, ids, seq_length):
-                    mask[start : min(stop, kept)] = [0] * max(0, min(stop, kept) - start)
-            input_ids[row, :kept] = torch.tensor(ids[:kept], dtype=torch.int64)
-            loss_mask[row, :kept] = torch.tensor(mask, dtype=torch.int64)
-            num_tokens[row] = kept
-    return TokenizedRows(input_ids=input_ids, loss_mask=loss_mask, num_tokens=num_tokens)
+                cleared += _generation_prompt_spans(renders, renderer, row, messages, ids, seq_length)
+            if mask_reasoning_content:
+                cleared += _reasoning_spans(renders, row, messages, ids, seq_length)
+            for start, stop in cleared:
+                stop = min(stop, kept)
+                mask[start:stop] = [0] * max(0, stop - start)
+            ids_rows.append(ids[:kept])
+            mask_rows.append(mask)
+    return _pack(ids_rows, mask_rows, seq_length, pad_token_id(tokenizer))
+
+
+def _pack(ids_rows: list[list[int]], mask_rows: list[list[int]], seq_length: int, pad_id: int) -> TokenizedRows:
+    """Right-pad ragged rows to [N, S] tensors in one conversion each."""
+    num_tokens = [len(ids) for ids in ids_rows]
+    input_ids = torch.tensor([ids + [pad_id] * (seq_length - len(ids)) for ids in ids_rows], dtype=torch.int64)
+    loss_mask = torch.tensor([m + [0] * (seq_length - len(m)) for m in mask_rows], dtype=torch.int64)
+    return TokenizedRows(
+        input_ids=input_ids.reshape(len(ids_rows), seq_length),
+        loss_mask=loss_mask.reshape(len(ids_rows), seq_length),
+        num_tokens=torch.tensor(num_tokens, dtype=torch.int64),
+    )
 
 
 class _Renderer:
@@ -429,9 +452,6 @@ class _Renderer:
         )
         return [list(ids) for ids in out["input_ids"]], (out["assistant_masks"] if assistant_mask else None)
 
-    def ids(self, conversations: list[list[Message]], **template_kwargs) -> list[list[int]]:
-        return self.render(conversations, **template_kwargs)[0]
-
     def is_prefix(self, prefix: list[int], reference: list[int]) -> bool:
         """NeMo's check: `prefix` starts `reference`, allowing a trailing EOS the next turn replaces."""
         if len(prefix) > len(reference):
@@ -446,30 +466,40 @@ class _Renderer:
         )
 
 
-def _prefix_span_mask(renderer: _Renderer, messages: list[Message], ids: list[int], seq_length: int, row: int):
-    """Marker-free loss mask: assistant message i covers len(render(m[:i]))..len(render(m[:i+1])).
+class _BatchedRenders:
+    """Collects the renders a chunk needs (keyed, deduplicated), then runs one batch per template kwargs."""
 
-    Lengths are of renders truncated to S, each checked to be a prefix of the truncated full render.
-    """
-    full = ids[:seq_length]
-    mask = [0] * len(full)
-    bounds = sorted({k for i, m in enumerate(messages) if m["role"] == "assistant" for k in (i, i + 1)})
-    inner = [k for k in bounds if 0 < k < len(messages)]
-    lengths = {0: 0, len(messages): len(full)}
-    for k, prefix_ids in zip(inner, renderer.ids([messages[:k] for k in inner])):
-        prefix_ids = prefix_ids[:seq_length]
-        if not renderer.is_prefix(prefix_ids, full):
-            raise CaptureError(
-                f"conversation {row + 1}: rendering its first {k} message(s) alone does not reproduce the start "
-                "of the whole rendered conversation (the chat template rewrites earlier turns), so assistant "
-                "spans cannot be found from conversation prefixes. Use a chat template that wraps assistant "
-                "turns in {% generation %}...{% endgeneration %}."
-            )
-        lengths[k] = len(prefix_ids)
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            mask[lengths[i] : lengths[i + 1]] = [1] * max(0, lengths[i + 1] - lengths[i])
-    return mask
+    def __init__(self, renderer: _Renderer):
+        self.renderer = renderer
+        self.pending: dict[tuple, dict[tuple, list[Message]]] = {}
+        self.done: dict[tuple, list[int]] = {}
+
+    def want(self, key: tuple, messages: list[Message], **template_kwargs) -> None:
+        self.pending.setdefault(tuple(sorted(template_kwargs.items())), {}).setdefault(key, messages)
+
+    def run(self) -> None:
+        for kwargs, requests in self.pending.items():
+            ids, _ = self.renderer.render(list(requests.values()), **dict(kwargs))
+            self.done.update(zip(requests.keys(), ids))
+        self.pending = {}
+
+    def __getitem__(self, key: tuple) -> list[int]:
+        return self.done[key]
+
+
+def _assistant_turns(messages: list[Message], *, skip_leading: bool = False) -> list[int]:
+    # A leading assistant turn has an empty prefix, which no template renders (NeMo skips it too).
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and not (skip_leading and i == 0)]
+
+
+def _reasoning_turns(messages: list[Message]) -> list[int]:
+    return [i for i in _assistant_turns(messages) if messages[i].get("reasoning_content")]
+
+
+def _prefix_bounds(messages: list[Message]) -> list[int]:
+    """Prefix sizes k (0 < k < len) whose render length bounds an assistant message."""
+    bounds = {k for i in _assistant_turns(messages) for k in (i, i + 1)}
+    return sorted(k for k in bounds if 0 < k < len(messages))
 
 
 def _clip(ids: list[int], full_len: int, seq_length: int) -> list[int]:
@@ -477,24 +507,42 @@ def _clip(ids: list[int], full_len: int, seq_length: int) -> list[int]:
     return ids if full_len >= seq_length else ids[:seq_length]
 
 
-def _generation_prompt_spans(renderer: _Renderer, messages: list[Message], ids: list[int], seq_length: int):
+def _prefix_span_mask(renders, renderer, row, messages, ids, seq_length, number) -> list[int]:
+    """Marker-free loss mask: assistant message i covers len(render(m[:i]))..len(render(m[:i+1])).
+
+    Lengths are of renders truncated to S, each checked to be a prefix of the truncated full render.
+    """
+    full = ids[:seq_length]
+    lengths = {0: 0, len(messages): len(full)}
+    for k in _prefix_bounds(messages):
+        prefix_ids = renders[("prefix", row, k)][:seq_length]
+        if not renderer.is_prefix(prefix_ids, full):
+            raise CaptureError(
+                f"conversation {number + 1}: rendering its first {k} message(s) alone does not reproduce the "
+                "start of the whole rendered conversation (the chat template rewrites earlier turns), so "
+                "assistant spans cannot be found from conversation prefixes. Use a chat template that wraps "
+                "assistant turns in {% generation %}...{% endgeneration %}."
+            )
+        lengths[k] = len(prefix_ids)
+    mask = [0] * len(full)
+    for i in _assistant_turns(messages):
+        mask[lengths[i] : lengths[i + 1]] = [1] * max(0, lengths[i + 1] - lengths[i])
+    return mask
+
+
+def _generation_prompt_spans(renders, renderer, row, messages, ids, seq_length) -> list[tuple[int, int]]:
     """Per assistant turn, the block `add_generation_prompt=True` appends to the rendered prefix, when the
-    turn in the full render opens with that whole block. A leading assistant turn (empty prefix) is skipped."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
-    if not turns:
-        return []
-    prefixes = [messages[:i] for i in turns]
-    bases = renderer.ids(prefixes)
-    prompts = [renderer.ids(prefixes, add_generation_prompt=True, **mode) for mode in renderer.prompt_modes]
+    turn in the full render opens with that whole block; turns whose prefix render is not a prefix of the
+    full render stay supervised (NeMo's fail-closed rule)."""
     spans = []
-    for t in range(len(turns)):
-        base = _clip(bases[t], len(ids), seq_length)
+    for i in _assistant_turns(messages, skip_leading=True):
+        base = _clip(renders[("prefix", row, i)], len(ids), seq_length)
         if not renderer.is_prefix(base, ids):
-            continue  # NeMo leaves the turn supervised when the prefix render is not a prefix
+            continue
         turn = ids[len(base) :]
         matched = 0
-        for mode_renders in prompts:
-            prompt = _clip(mode_renders[t], len(ids), seq_length)
+        for mode in renderer.prompt_modes:
+            prompt = _clip(renders[("prompt", row, i, *mode.items())], len(ids), seq_length)
             block = prompt[len(base) :]
             if renderer.is_prefix(base, prompt) and block and turn[: len(block)] == block:
                 matched = max(matched, len(block))
@@ -502,21 +550,19 @@ def _generation_prompt_spans(renderer: _Renderer, messages: list[Message], ids: 
     return spans
 
 
-def _reasoning_spans(renderer: _Renderer, messages: list[Message], ids: list[int], seq_length: int):
+def _reasoning_spans(renders, row, messages, ids, seq_length) -> list[tuple[int, int]]:
     """Per assistant turn with reasoning, the tokens that differ from a render with that reasoning emptied
     (longest common prefix and suffix removed)."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("reasoning_content")]
-    variants = [messages[:i] + [{**messages[i], "reasoning_content": ""}] + messages[i + 1 :] for i in turns]
     spans = []
-    for masked in renderer.ids(variants):
-        masked = _clip(masked, len(ids), seq_length)
+    for i in _reasoning_turns(messages):
+        emptied = _clip(renders[("reasoning", row, i)], len(ids), seq_length)
+        shortest = min(len(ids), len(emptied))
         start = 0
-        while start < min(len(ids), len(masked)) and ids[start] == masked[start]:
+        while start < shortest and ids[start] == emptied[start]:
             start += 1
         suffix = 0
-        while suffix < min(len(ids), len(masked)) - start and ids[-(suffix + 1)] == masked[-(suffix + 1)]:
+        while suffix < shortest - start and ids[-(suffix + 1)] == emptied[-(suffix + 1)]:
             suffix += 1
-        stop = len(ids) - suffix
-        if stop > start:
-            spans.append((start, stop))
+        if len(ids) - suffix > start:
+            spans.append((start, len(ids) - suffix))
     return spans
