@@ -17,7 +17,7 @@ import dataclasses
 import json
 import types
 import typing
-import warnings
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,6 +25,8 @@ from typing import Any, Mapping
 import yaml
 
 from ds_capture.errors import CaptureError
+
+_LOG = logging.getLogger("ds_capture")
 
 CACHE_DTYPES = ("bf16", "fp16", "fp32")
 ENGINES = ("deepspeed", "fsdp2")
@@ -243,7 +245,7 @@ def _build_section(cls: type, values: Mapping[str, Any], section: str, source: s
 def _as_capture_error(error: ValueError, section: str, source: str) -> CaptureError:
     message, key = error.args if len(error.args) == 2 else (str(error), "?")
     path = f"{section}.{key}" if section else key
-    return CaptureError(f"{source}: `{path}` {message}.")
+    return CaptureError(f"{source}: `{path}` {message.rstrip('.')}.")
 
 
 def _warn_or_refuse_unknown(values: Mapping[str, Any], section: str, valid: set[str], source: str) -> None:
@@ -252,8 +254,8 @@ def _warn_or_refuse_unknown(values: Mapping[str, Any], section: str, valid: set[
             continue
         where = f"{section}.{key}" if section else key
         if key in NEMO_BACKEND_KEYS.get(section, ()):
-            warnings.warn(f"{source}: `{where}` is a NeMo backend setting; it does not apply to ds_capture and is ignored.",
-                          stacklevel=3)
+            _LOG.warning("%s: `%s` is a NeMo backend setting; it does not apply to ds_capture and is ignored.",
+                         source, where)
             continue
         raise CaptureError(
             f"{source}: unknown key `{where}`. Valid keys{' under `' + section + '`' if section else ''}: "

@@ -53,7 +53,7 @@ class Family:
     router: str = "gate"
     """Attribute of the MoE block holding the router."""
     num_experts_key: str | None = None
-    """Text-config field giving the number of routed experts."""
+    """Text-config attribute giving the number of routed experts."""
     reduce_layer_output: Callable[[torch.Tensor], torch.Tensor] = _identity
     """Maps a decoder layer's output to its [B, S, H] feature."""
     supports_tp: bool = True
@@ -68,16 +68,6 @@ class Family:
     def text_config(self, config: Any) -> Any:
         """The text decoder's config object (``config`` itself for plain causal LMs)."""
         return getattr(config, self.text_config_attr) if self.text_config_attr else config
-
-    def text_config_dict(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The same, on a raw ``config.json`` mapping."""
-        return config.get(self.text_config_attr, {}) if self.text_config_attr else config
-
-    def num_experts(self, text_config: Mapping[str, Any]) -> int | None:
-        if self.num_experts_key is None:
-            return None
-        value = text_config.get(self.num_experts_key)
-        return int(value) if value else None
 
     @property
     def is_moe(self) -> bool:
@@ -133,8 +123,10 @@ class TargetInfo:
     tie_word_embeddings: bool
 
 
-def read_target_info(target_dir: Path) -> TargetInfo:
-    """Read ``target_dir/config.json`` and resolve the family; nothing heavier is touched."""
+def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> TargetInfo:
+    """Read ``target_dir/config.json`` (through ``AutoConfig``: attribute maps included) and resolve the family."""
+    from transformers import AutoConfig
+
     config_path = Path(target_dir) / "config.json"
     if not config_path.is_file():
         raise CaptureError(
@@ -142,26 +134,27 @@ def read_target_info(target_dir: Path) -> TargetInfo:
             "Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer files)."
         )
     try:
-        config = json.loads(config_path.read_text())
+        model_type = json.loads(config_path.read_text()).get("model_type", "")
     except json.JSONDecodeError as error:
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
-    model_type = config.get("model_type", "")
     family = get_family(model_type, source=str(config_path))
-    text = family.text_config_dict(config)
-    missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if key not in text]
-    if missing:
-        raise CaptureError(f"{config_path}: the text config lacks {', '.join(missing)}.")
+    try:
+        config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, TypeError) as error:
+        raise CaptureError(f"{config_path}: transformers cannot read this config ({error}).") from error
+    text = family.text_config(config)
+    num_experts = getattr(text, family.num_experts_key, None) if family.num_experts_key else None
     return TargetInfo(
         path=Path(target_dir),
         family=family,
         model_type=model_type,
-        vocab_size=int(text["vocab_size"]),
-        hidden_size=int(text["hidden_size"]),
-        num_hidden_layers=int(text["num_hidden_layers"]),
-        num_attention_heads=int(text["num_attention_heads"]),
-        num_key_value_heads=text.get("num_key_value_heads"),
-        num_experts=family.num_experts(text),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_hidden_layers=int(text.num_hidden_layers),
+        num_attention_heads=int(text.num_attention_heads),
+        num_key_value_heads=getattr(text, "num_key_value_heads", None),
+        num_experts=int(num_experts) if num_experts else None,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
 
 

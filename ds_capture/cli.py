@@ -1,0 +1,109 @@
+"""Command line: ``ds-capture run | verify | inspect`` (also ``python -m ds_capture``).
+
+In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
+for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it.
+
+    ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256
+    ds-capture verify outputs/demo_cache [--checksums] [--json]
+    ds-capture inspect outputs/demo_cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ds_capture import __version__
+from ds_capture.errors import CaptureError
+
+_LOG = logging.getLogger("ds_capture")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-capture", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"ds_capture {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="capture a target's hidden states into a cache")
+    run.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                     help="override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
+    run.add_argument("--restart", action="store_true", help="recompute every shard even where valid ones exist")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The deepspeed launcher appends --local_rank=N; the rank comes from the environment instead.
+    run.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+    verify = sub.add_parser("verify", help="check a cache against the format contract")
+    verify.add_argument("cache_dir", type=Path)
+    verify.add_argument("--checksums", action="store_true", help="re-hash every shard against its recorded sha256")
+    verify.add_argument("--json", action="store_true", help="print a machine-readable report")
+
+    inspect = sub.add_parser("inspect", help="summarise a cache for humans")
+    inspect.add_argument("cache_dir", type=Path)
+    inspect.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
+                        format="[ds_capture] %(levelname)s %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except CaptureError as error:
+        if args.debug:
+            raise
+        print(f"ds-capture {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)
+        return 130
+
+
+def _is_rank0() -> bool:
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return os.environ[key] == "0"
+    return True
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ds_capture.config import load_config
+    from ds_capture.runner import run_capture
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run_capture(cfg, restart=args.restart, show_progress=not args.no_progress)
+    if _is_rank0():
+        print(summary.format())
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ds_capture.cache.reader import verify_cache
+
+    report = verify_cache(args.cache_dir, checksums=args.checksums)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    elif report.ok:
+        print(report.summary())
+    else:
+        print(f"{args.cache_dir}: INVALID cache, {len(report.problems)} problem(s):")
+        for problem in report.problems:
+            print(f"  - {problem}")
+    return 0 if report.ok else 1
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ds_capture.cache.reader import format_inspect, inspect_cache
+
+    info = inspect_cache(args.cache_dir)
+    print(json.dumps(info, indent=2, sort_keys=True, default=str) if args.json else format_inspect(info))
+    return 0
+
+
+_COMMANDS = {"run": _cmd_run, "verify": _cmd_verify, "inspect": _cmd_inspect}

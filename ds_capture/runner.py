@@ -1,0 +1,281 @@
+"""The capture loop: config -> plan -> data -> engine -> hooks -> cache, in lockstep over all ranks.
+
+In: a validated :class:`~ds_capture.config.RunConfig`. Out: a cache directory (DESIGN §3) and a
+:class:`RunSummary`. Everything a user can get wrong (config, target, layout, data rows, a
+foreign output directory) is checked before any weight loads, and a refusal on rank 0 reaches
+every rank at once. Each data-parallel rank forwards its contiguous, shard-aligned slice and its
+tp-rank-0 writes global shard indices; rank 0 writes the target weights, the manifest with
+``complete: false``, and after every rank has finished, the manifest with ``complete: true``.
+
+    summary = run_capture(load_config("configs/demo.yaml"))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from ds_capture import __version__
+from ds_capture.cache.format import DTYPES, Manifest, num_shards
+from ds_capture.cache.writer import prepare_output_dir, write_manifest, write_shard, write_target_weights
+from ds_capture.capture import capture_hidden_states, resolve_layer_ids
+from ds_capture.config import RunConfig
+from ds_capture.data import (
+    chat_template_sha256,
+    pad_token_id,
+    read_conversations,
+    resolve_chat_template,
+    tokenize_conversations,
+)
+from ds_capture.demo import resolve_special_path
+from ds_capture.dist import agree_on_error, all_reduce_max_int, discover_env, distributed_session
+from ds_capture.engine import build_model
+from ds_capture.errors import CaptureError
+from ds_capture.families import TargetInfo, read_target_info
+from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
+
+_LOG = logging.getLogger("ds_capture")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one run did (on this rank's DP group for the counts; rank 0 prints it)."""
+
+    output_dir: str
+    num_samples: int
+    num_shards: int
+    shards_written: int
+    shards_skipped: int
+    num_tokens: int
+    bytes_written: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        return (
+            f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
+            f"{self.shards_skipped} already done, {self.num_tokens} tokens at {self.tokens_per_s:,.0f} tokens/s, "
+            f"{self.bytes_written / 2**20:,.1f} MiB written in {self.seconds:.1f} s"
+        )
+
+
+def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = True) -> RunSummary:
+    """Run one capture described by ``cfg``; every rank of the job calls this."""
+    args = cfg.recipe_args
+    env = discover_env()
+    target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
+    layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
+                                  source=cfg.source)
+    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
+                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
+    plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
+                      num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
+                      num_key_value_heads=target.num_key_value_heads)
+    _check_family_layout(target, plan)
+    with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
+        return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
+
+
+def _check_family_layout(target: TargetInfo, plan: ParallelPlan) -> None:
+    family = target.family
+    if plan.tp_size > 1 and not family.supports_tp:
+        raise CaptureError(f"tp_size {plan.tp_size}: {family.tp_refusal}")
+    if plan.ep_size > 1 and not family.supports_ep:
+        raise CaptureError(f"ep_size {plan.ep_size}: {family.ep_refusal}")
+
+
+def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, *,
+         restart: bool, show_progress: bool) -> RunSummary:
+    args = cfg.recipe_args
+    dtype = DTYPES[args.cache_dtype]
+    out_dir = Path(args.cache_output_dir)
+    started = time.perf_counter()
+
+    # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
+    # the rows of its own DP range. Any failure here ends every rank with the first message.
+    error, prepared = None, None
+    try:
+        prepared = _prepare(cfg, target, layer_ids, plan, out_dir, restart=restart)
+    except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
+        error = caught
+    agree_on_error(error)
+    manifest, rows_by_shard, done_shards, pad_id = prepared
+    done_shards = _broadcast_from_rank0(done_shards)
+
+    groups = new_groups(plan) if plan.world_size > 1 else None
+    model = build_model(cfg.engine, target, plan, groups, dtype=dtype,
+                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
+
+    todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
+    batches = list(_micro_batches(todo, rows_by_shard, args.micro_batch_size))
+    # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
+    # ranks that run out of data forward a padding batch whose output is discarded.
+    num_steps = all_reduce_max_int(len(batches))
+    filler = _padding_batch(args.micro_batch_size, args.seq_length, pad_id)
+    progress = tqdm(total=sum(len(b[2]) for b in batches), unit="sample", disable=not (show_progress and plan.rank == 0),
+                    desc=f"capture (dp rank 0 of {plan.dp_size})", dynamic_ncols=True)
+    tokens, bytes_written, shards_written = 0, 0, 0
+    shard_buffer: _ShardBuffer | None = None
+    with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers) as hooks:
+        for step in range(num_steps):
+            real = step < len(batches)
+            shard_index, first_row, (input_ids, loss_mask, num_tokens) = batches[step] if real else (-1, 0, filler)
+            hooks.reset()
+            attention_mask = (torch.arange(args.seq_length)[None, :] < num_tokens[:, None]).long()
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            if not real:
+                continue
+            hidden, last = hooks.collect(dtype)
+            tokens += int(num_tokens.sum())
+            progress.update(len(input_ids))
+            if not plan.is_writer:
+                continue
+            if shard_buffer is None or shard_buffer.index != shard_index:
+                shard_buffer = _ShardBuffer(manifest, shard_index)
+            shard_buffer.put(first_row, input_ids, loss_mask, hidden, last)
+            if shard_buffer.full:
+                bytes_written += write_shard(out_dir, shard_index, shard_buffer.tensors, manifest)
+                shards_written += 1
+                shard_buffer = None
+    progress.close()
+
+    # Publish only after every rank has written its shards (and only if all of them succeeded).
+    agree_on_error(None)
+    if plan.is_manifest_writer:
+        write_manifest(out_dir, manifest.with_complete(True))
+    return RunSummary(
+        output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
+        shards_written=shards_written, shards_skipped=len(done_shards), num_tokens=tokens,
+        bytes_written=bytes_written, seconds=time.perf_counter() - started,
+    )
+
+
+def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path, *,
+             restart: bool):
+    """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
+    from transformers import AutoTokenizer
+
+    args = cfg.recipe_args
+    tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
+    template = resolve_chat_template(tokenizer, args.chat_template)
+    conversations = read_conversations(resolve_special_path(args.train_data_path), split=args.train_split,
+                                       shuffle_seed=args.shuffle_seed)
+    manifest = Manifest(
+        target_model=args.target_model_name_or_path,
+        target_model_type=target.model_type,
+        target_vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        num_hidden_layers=target.num_hidden_layers,
+        seq_length=args.seq_length,
+        dtype=args.cache_dtype,
+        num_samples=len(conversations),
+        shard_size=args.cache_shard_size,
+        target_hidden_dim=target.hidden_size * len(layer_ids),
+        target_last_hidden_dim=target.hidden_size,
+        target_layer_ids=tuple(layer_ids),
+        train_data_path=args.train_data_path,
+        train_split=args.train_split,
+        shuffle_seed=args.shuffle_seed,
+        mask_reasoning_content=args.mask_reasoning_content,
+        mask_generation_prompt=args.mask_generation_prompt,
+        chat_template_sha256=chat_template_sha256(template),
+        bookkeeping={"producer": {"name": "ds_capture", "version": __version__, "engine": cfg.engine,
+                                  "world_size": plan.world_size, "dp_size": plan.dp_size, "tp_size": plan.tp_size,
+                                  "ep_size": plan.ep_size}},
+    )
+    samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
+    rows = tokenize_conversations(
+        conversations[samples.start:samples.stop], tokenizer, chat_template=template, seq_length=args.seq_length,
+        mask_reasoning_content=args.mask_reasoning_content, mask_generation_prompt=args.mask_generation_prompt,
+    )
+    rows_by_shard = {}
+    for index in plan.shard_range(manifest.num_shards):
+        lo = index * manifest.shard_size - samples.start
+        hi = lo + manifest.shard_rows(index)
+        rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
+    done: set[int] = set()
+    if plan.is_manifest_writer:
+        done = prepare_output_dir(out_dir, manifest, restart=restart)
+        embed, lm_head = read_target_weights(target)
+        write_target_weights(out_dir, embed, lm_head, args.cache_dtype)
+        write_manifest(out_dir, manifest)
+    return manifest, rows_by_shard, done, pad_token_id(tokenizer)
+
+
+def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full embedding and lm_head straight from the checkpoint files (no engine gathers needed)."""
+    from safetensors import safe_open
+
+    family = target.family
+    keys = [family.embed_weight_key] + ([] if target.tie_word_embeddings else [family.lm_head_weight_key])
+    index_path = target.path / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    else:
+        weight_map = {key: "model.safetensors" for key in keys}
+    tensors = {}
+    for key in keys:
+        if key not in weight_map:
+            raise CaptureError(f"{target.path}: the checkpoint has no tensor {key!r} (needed for target_weights).")
+        with safe_open(str(target.path / weight_map[key]), framework="pt") as handle:
+            tensors[key] = handle.get_tensor(key).clone()
+    embed = tensors[family.embed_weight_key]
+    return embed, tensors.get(family.lm_head_weight_key, embed)
+
+
+def _micro_batches(shards: list[int], rows_by_shard: dict, batch_size: int) -> Iterator[tuple[int, int, tuple]]:
+    """(shard index, first row within the shard, (input_ids, loss_mask, num_tokens)) per micro-batch."""
+    for index in shards:
+        input_ids, loss_mask, num_tokens = rows_by_shard[index]
+        for lo in range(0, len(input_ids), batch_size):
+            hi = lo + batch_size
+            yield index, lo, (input_ids[lo:hi], loss_mask[lo:hi], num_tokens[lo:hi])
+
+
+def _padding_batch(batch_size: int, seq_length: int, pad_id: int) -> tuple:
+    ids = torch.full((batch_size, seq_length), pad_id, dtype=torch.long)
+    return ids, torch.zeros_like(ids), torch.full((batch_size,), seq_length, dtype=torch.long)
+
+
+class _ShardBuffer:
+    """One shard's rows, filled micro-batch by micro-batch into preallocated tensors."""
+
+    def __init__(self, manifest: Manifest, index: int) -> None:
+        self.index = index
+        self.tensors = {name: torch.empty(shape, dtype=dtype)
+                        for name, (shape, dtype) in manifest.expected_shard_tensors(index).items()}
+        self.rows = manifest.shard_rows(index)
+        self.filled = 0
+
+    def put(self, first_row: int, input_ids, loss_mask, hidden, last) -> None:
+        rows = slice(first_row, first_row + len(input_ids))
+        self.tensors["input_ids"][rows] = input_ids
+        self.tensors["loss_mask"][rows] = loss_mask
+        self.tensors["target_hidden_states"][rows] = hidden
+        self.tensors["target_last_hidden_states"][rows] = last
+        self.filled += len(input_ids)
+
+    @property
+    def full(self) -> bool:
+        return self.filled == self.rows
+
+
+def _broadcast_from_rank0(value):
+    """Rank 0's ``value`` on every rank (collective; identity without a process group)."""
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized():
+        return value
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
