@@ -1,0 +1,170 @@
+"""Start N real gloo ranks on this host through the launchers users use, bounded and cleaned up.
+
+In:  a launcher kind, a rank count, the Python arguments (``["-m", "ds_capture", "run", "-c", cfg]`` or
+     ``["path/to/script.py", ...]``), extra environment, a timeout.
+Out: a ``subprocess.CompletedProcess`` whose ``stdout`` holds stdout and stderr of every process
+     (merged), ``returncode`` 124 on timeout, and ``leftover_shm``: the DeepSpeed shm all-reduce
+     buffers the run left in /dev/shm (the job should remove its own; they are deleted here anyway).
+
+Kinds: ``single`` (plain python), ``deepspeed`` (``--num_accelerators N``), ``deepspeed_module``
+(same, through ``--module``), ``deepspeed_hostfile`` (``localhost slots=N``), ``deepspeed_two_nodes``
+(two ``--no_ssh --node_rank {0,1}`` launchers, hosts ``localhost`` and ``127.0.0.1``), ``torchrun``
+and ``mpirun`` (OpenMPI). Every run gets a fresh free port, so its shm buffer names are its own.
+
+    from tests.distributed.launchers import run_launcher   # or put tests/distributed on sys.path
+    result = run_launcher("torchrun", 2, ["-m", "ds_capture", "run", "-c", str(cfg)], None, 120)
+    assert result.returncode == 0, result.stdout
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("single", "deepspeed", "deepspeed_module", "deepspeed_hostfile", "deepspeed_two_nodes", "torchrun", "mpirun")
+# Launcher variables a parent (pytest run under a launcher, Slurm allocation) may leak into children.
+_LEAKY_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "MPI_LOCAL")
+_LEAKY_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK"}
+SHM_BUFFER_GLOB = "/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_*"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def shm_buffers(port: int) -> list[str]:
+    """DeepSpeed shm all-reduce buffers of the job whose master is 127.0.0.1:``port``."""
+    return sorted(Path("/").glob(SHM_BUFFER_GLOB.format(uid=os.getuid(), port=port).lstrip("/")))
+
+
+def have_mpirun() -> bool:
+    if shutil.which("mpirun") is None:
+        return False
+    try:
+        import mpi4py  # noqa: F401  (DeepSpeed's MPI discovery needs it)
+    except ImportError:
+        return False
+    return True
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment minus launcher variables, one thread per rank, the repo importable."""
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY_KEYS and not k.startswith(_LEAKY_PREFIXES)}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def launcher_commands(kind: str, nproc: int, argv: list[str], port: int, workdir: Path) -> list[list[str]]:
+    """The command line(s) for one run; ``deepspeed_two_nodes`` has one per simulated node."""
+    python = sys.executable
+    deepspeed = [str(Path(python).with_name("deepspeed"))]  # the venv's `deepspeed` console script
+    common = ["--master_addr", "127.0.0.1", "--master_port", str(port)]
+    script = ["--module", *argv[1:]] if argv[:1] == ["-m"] else argv
+    if kind == "single":
+        return [[python, *argv]]
+    if kind in ("deepspeed", "deepspeed_module"):
+        return [[*deepspeed, "--num_accelerators", str(nproc), "--no_ssh_check", *common, *script]]
+    if kind == "deepspeed_hostfile":
+        hostfile = workdir / "hostfile"
+        hostfile.write_text(f"localhost slots={nproc}\n")
+        return [[*deepspeed, "--hostfile", str(hostfile), "--no_ssh_check", *common, *script]]
+    if kind == "deepspeed_two_nodes":
+        if nproc % 2:
+            raise ValueError(f"deepspeed_two_nodes needs an even nproc, got {nproc}")
+        hostfile = workdir / "hostfile"
+        hostfile.write_text(f"localhost slots={nproc // 2}\n127.0.0.1 slots={nproc // 2}\n")
+        return [[*deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--num_nodes", "2", "--node_rank",
+                 str(node), *common, *script] for node in (0, 1)]
+    if kind == "torchrun":
+        return [[python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                 "127.0.0.1", "--master_port", str(port), *argv]]
+    if kind == "mpirun":
+        return [["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(nproc),
+                 "-x", f"MASTER_PORT={port}", python, *argv]]
+    raise ValueError(f"unknown launcher kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def run_launcher(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None = None,
+                 timeout_s: int = 120, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` on ``nproc`` ranks through ``kind``; never outlives ``timeout_s``; cleans /dev/shm."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ds_capture_launch_") as tmp:
+        commands = launcher_commands(kind, nproc, argv, port, Path(tmp))
+        log_paths = [Path(tmp) / f"out{i}.log" for i in range(len(commands))]
+        procs = []
+        try:
+            for command, log_path in zip(commands, log_paths):
+                with open(log_path, "wb") as log:
+                    # Own session: a timeout kills the launcher and every rank it forked (mpirun
+                    # ranks live in their own process groups, but mpirun kills them when it dies).
+                    procs.append(subprocess.Popen(command, cwd=cwd or REPO_ROOT, env=child_env(env), stdout=log,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+            returncode = _wait_all(procs, time.monotonic() + timeout_s)
+        finally:
+            for proc in procs:
+                _kill_session(proc)
+        stdout = "".join(p.read_text(errors="replace") for p in log_paths)
+    leftover = [str(p) for p in shm_buffers(port)]
+    for path in leftover:
+        Path(path).unlink(missing_ok=True)
+    result = subprocess.CompletedProcess(commands[0] if len(commands) == 1 else commands, returncode, stdout, "")
+    result.leftover_shm = leftover
+    result.master_port = port
+    return result
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> int:
+    """0 when all succeed; the first non-zero exit code as soon as one fails; 124 at the deadline."""
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]  # its peers would only wait for it: the caller kills them
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+    return 124
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def ensure_shm_op_built(timeout_s: int = 900) -> None:
+    """JIT-build DeepSpeed's CPU shm comm op once, outside any rank's timeout (about 3 min on 2 cores).
+
+    Every rank of a gloo job loads it in ``deepspeed.init_distributed``; a first build inside a
+    bounded test would time out, and a build killed half-way leaves torch's ``lock`` file behind,
+    after which every later build waits forever.
+    """
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "b = get_accelerator().create_op_builder('ShareMemCommBuilder'); b is None or b.load()")
+    subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=timeout_s, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
