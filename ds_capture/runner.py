@@ -109,8 +109,14 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
         error = caught
     agree_on_error(error)
-    manifest, rows_by_shard, done_shards, pad_id = prepared
-    done_shards = _broadcast_from_rank0(done_shards)
+    manifest, rows_by_shard, done_shards, already_complete, pad_id = prepared
+    done_shards, already_complete = _broadcast_from_rank0((done_shards, already_complete))
+    if already_complete:
+        # Nothing to recompute and nothing to republish: the directory is left exactly as it was.
+        _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)
+        return RunSummary(output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
+                          shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
+                          seconds=time.perf_counter() - started)
 
     groups = new_groups(plan) if plan.world_size > 1 else None
     model = build_model(cfg.engine, target, plan, groups, dtype=dtype,
@@ -204,12 +210,23 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
     done: set[int] = set()
+    already_complete = False
     if plan.is_manifest_writer:
         done = prepare_output_dir(out_dir, manifest, restart=restart)
-        embed, lm_head = read_target_weights(target)
-        write_target_weights(out_dir, embed, lm_head, args.cache_dtype)
-        write_manifest(out_dir, manifest)
-    return manifest, rows_by_shard, done, pad_token_id(tokenizer)
+        already_complete = len(done) == manifest.num_shards and _published(out_dir)
+        if not already_complete:
+            # Write order (DESIGN §3): target weights, manifest with complete=false, shards, complete=true.
+            embed, lm_head = read_target_weights(target)
+            write_target_weights(out_dir, embed, lm_head, args.cache_dtype)
+            write_manifest(out_dir, manifest)
+    return manifest, rows_by_shard, done, already_complete, pad_token_id(tokenizer)
+
+
+def _published(out_dir: Path) -> bool:
+    """True when ``out_dir`` holds a manifest with ``complete: true`` (identity already checked)."""
+    from ds_capture.cache.reader import read_manifest
+
+    return read_manifest(out_dir).complete
 
 
 def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:

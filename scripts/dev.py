@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Set up the project environment (once) and run the demo or the tests. Needs only python3.
+
+    python3 scripts/dev.py demo          # build the demo target, capture, verify the cache
+    python3 scripts/dev.py test [ARGS]   # the whole test suite (ARGS go to pytest)
+
+The environment is a virtualenv in ``.venv`` (override with ``DS_CAPTURE_VENV``). It is created
+on first use and reinstalled only when ``pyproject.toml`` changes. torch is pinned to the CPU
+build 2.13.0 first, so that resolving the other dependencies never pulls a CUDA build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("DS_CAPTURE_VENV", ROOT / ".venv"))
+TORCH_PIN = "torch==2.13.0"
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_env() -> Path:
+    """Create the venv and install the project (editable) with its test extras, if not done for this pyproject."""
+    stamp_value = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    stamp = VENV / ".ds_capture_installed"
+    if stamp.is_file() and stamp.read_text() == stamp_value and venv_python().exists():
+        return venv_python()
+    if not venv_python().exists():
+        print(f"[dev] creating virtualenv {VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    print(f"[dev] installing {TORCH_PIN} and the project (first run only, a few minutes)", flush=True)
+    subprocess.run(pip + [TORCH_PIN], check=True)
+    extras = "test,bench,mpi" if shutil.which("mpicc") else "test,bench"
+    subprocess.run(pip + ["-e", f"{ROOT}[{extras}]"], check=True)
+    stamp.write_text(stamp_value)
+    return venv_python()
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("demo", "test", "env"):
+        print(__doc__)
+        return 2
+    python = ensure_env()
+    env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    command, rest = argv[0], argv[1:]
+    if command == "env":
+        return 0
+    if command == "test":
+        return subprocess.run([str(python), "-m", "pytest", "-q", *rest], cwd=ROOT, env=env).returncode
+    config = rest[0] if rest else "configs/demo.yaml"
+    cli = [str(python), "-m", "ds_capture"]
+    run = subprocess.run(cli + ["run", "-c", config], cwd=ROOT, env=env)
+    if run.returncode:
+        return run.returncode
+    return subprocess.run(cli + ["verify", "outputs/demo_cache"], cwd=ROOT, env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
