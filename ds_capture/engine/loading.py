@@ -1,0 +1,311 @@
+"""Build a target on the meta device and fill it from safetensors slices, reading only what this rank owns.
+
+In:  a :class:`~ds_capture.families.TargetInfo` (checkpoint dir: ``config.json`` + ``*.safetensors``), and a
+     model that is plain Hugging Face or already sharded (AutoTP layers, expert-parallel experts).
+Out: :func:`build_meta_model` -> the model on ``meta`` with its host-computed buffers (rotary ``inv_freq``)
+     real; :func:`load_owned_parameters` -> the same model materialised on CPU with every parameter and
+     persistent buffer filled, plus :class:`LoadStats` (bytes read, per parameter).
+
+What a rank owns is read off the model itself, so the loader needs no plan:
+  * an AutoTP layer (``deepspeed.module_inject.layers.TensorParallel_Layer``) publishes its partition dim
+    and sizes; this rank reads rows / columns ``[sum(sizes[:tp_index]), +sizes[tp_index])``;
+  * an expert-parallel experts module (:mod:`.expert_parallel`) holds experts ``[expert_start, +num_local)``;
+    only those experts' checkpoint tensors are opened.
+On-disk names are mapped to in-memory parameters with transformers' own conversion mapping (the one
+``from_pretrained`` uses: per-expert ``experts.E.gate_proj.weight`` -> fused ``experts.gate_up_proj``).
+Files are mapped one at a time and every tensor is cloned out of the mapping (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_capture.engine.expert_parallel import ExpertParallelExperts
+from ds_capture.errors import CaptureError
+from ds_capture.families import TargetInfo
+
+
+@dataclass
+class LoadStats:
+    """What :func:`load_owned_parameters` read from disk on this rank."""
+
+    bytes_read: int = 0
+    num_files: int = 0
+    bytes_by_param: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """The part of one parameter this rank holds: ``length`` entries of ``dim`` from ``start`` (None: whole)."""
+
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    experts: bool = False
+    """``dim`` 0 is the expert dimension (a per-expert checkpoint list is cut instead of a tensor)."""
+
+
+def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    """The target's CausalLM on ``meta`` (no weight memory), with host-computed buffers initialised.
+
+    Built under ``deepspeed.OnDevice(dtype=None, device="meta")``: parameters land on meta while
+    buffers computed from the config (rotary ``inv_freq``) stay real; plain ``torch.device("meta")``
+    leaves them uninitialised (DESIGN §6). ``dtype=None`` keeps the model's own fp32 islands
+    (DeepSeek's router) exactly as ``from_pretrained(dtype=...)`` does.
+    """
+    import deepspeed
+    import torch._dynamo  # noqa: F401  -- import before OnDevice patches Tensor.__new__ (dynamo rejects it)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = transformers.AutoConfig.from_pretrained(target.path)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the modeling module outside OnDevice
+    with deepspeed.OnDevice(dtype=None, device="meta"):
+        model = model_class._from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class TensorLayout:
+    """Dtypes of every parameter / buffer and copies of the real buffers, to survive ``to_empty`` and casts."""
+
+    dtypes: dict[str, torch.dtype]
+    host_buffers: dict[str, torch.Tensor]
+
+
+def record_tensor_layout(model: nn.Module) -> TensorLayout:
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return TensorLayout(
+        dtypes={name: t.dtype for name, t in tensors.items()},
+        host_buffers={name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta},
+    )
+
+
+@torch.no_grad()
+def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
+    """Undo what a whole-model cast did (``init_inference`` calls ``module.bfloat16()``) and restore real buffers.
+
+    Parameters keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
+    """
+    for name, param in model.named_parameters():
+        if param.dtype != layout.dtypes[name]:
+            module_name, _, leaf = name.rpartition(".")
+            fresh = torch.empty(param.shape, dtype=layout.dtypes[name], device=param.device)
+            setattr(model.get_submodule(module_name), leaf, nn.Parameter(fresh, requires_grad=False))
+    for name, saved in layout.host_buffers.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._buffers[leaf] = saved.clone()
+
+
+def _owned_slices(model: nn.Module) -> dict[str, _Owned]:
+    """Parameter name -> the slice of the checkpoint tensor this rank holds (absent: the whole tensor)."""
+    from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
+
+    owned: dict[str, _Owned] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, TensorParallel_Layer):
+            # The layer knows its split (sizes frozen at build); re-publish it on the current parameters,
+            # since to_empty() replaced the parameter objects that carried it.
+            module._mark_uc_metadata()
+            for leaf, param in module.named_parameters(recurse=False):
+                meta = getattr(param, DS_AUTOTP_UC_META, None)
+                if meta is None or meta["sub_param_shard_widths"]:
+                    raise CaptureError(
+                        f"AutoTP sharded {prefix}{leaf} with a layout the loader cannot slice "
+                        f"({type(module).__name__}). Set distributed.tp_size to 1 for this target."
+                    )
+                if meta["replicated"] or meta["partition_dim"] is None:
+                    continue
+                sizes = meta["partition_sizes"]
+                owned[prefix + leaf] = _Owned(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
+                                              length=sizes[module.tp_index])
+        if isinstance(module, ExpertParallelExperts):
+            for leaf, param in module.named_parameters(recurse=False):
+                if param.dim() and param.shape[0] == module.num_local_experts:
+                    owned[prefix + leaf] = _Owned(dim=0, start=module.expert_start,
+                                                  length=module.num_local_experts, experts=True)
+    return owned
+
+
+def _checkpoint_index(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {key: path / name for key, name in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise CaptureError(
+            f"recipe_args.target_model_name_or_path: {path} has no model.safetensors(.index.json). "
+            "Save the target with save_pretrained(safe_serialization=True)."
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return {key: single for key in handle.keys()}
+
+
+@dataclass
+class _KeyMap:
+    """How checkpoint keys become model tensors (transformers' own conversion mapping)."""
+
+    sources: dict[str, list[str]]
+    """Model tensor -> its checkpoint keys, in natural order (experts 0, 1, ..., 10)."""
+    converter_of: dict[str, Any]
+    """Model tensor -> the ``WeightConverter`` that builds it (absent: a 1:1 rename)."""
+    pattern_of: dict[str, str]
+    """Checkpoint key -> the converter source pattern it matched (gate_proj / up_proj lists)."""
+    unexpected: list[str]
+
+
+def _map_checkpoint_keys(model: nn.Module, keys: list[str]) -> _KeyMap:
+    """Group checkpoint keys by the model tensor they become."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    model_names = set(model.state_dict().keys())
+    sources: dict[str, list[str]] = defaultdict(list)
+    converter_of: dict[str, Any] = {}
+    pattern_of: dict[str, str] = {}
+    unexpected = []
+    for key in sorted(keys, key=dot_natural_key):
+        renamed = apply_renamings(key, renamings)
+        for converter in converters:
+            converted, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                renamed = converted
+                converter_of[renamed] = converter
+                pattern_of[key] = pattern
+                break
+        if renamed in model_names:
+            sources[renamed].append(key)
+        else:
+            unexpected.append(key)
+    return _KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected)
+
+
+def _read(handle: Any, key: str, owned: _Owned | None) -> torch.Tensor:
+    """This rank's slice of one checkpoint tensor, cloned out of the mapped file."""
+    if owned is None:
+        return handle.get_tensor(key).clone()
+    view = handle.get_slice(key)
+    index = [slice(None)] * len(view.get_shape())
+    index[owned.dim] = slice(owned.start, owned.start + owned.length)
+    return view[tuple(index)].clone()
+
+
+@torch.no_grad()
+def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
+    """Materialise ``model`` on CPU and fill every parameter / persistent buffer from this rank's slices.
+
+    Missing checkpoint tensors and checkpoint tensors the model has no place for are errors that name
+    them. Non-persistent buffers keep their host-computed values.
+    """
+    from safetensors import safe_open
+    from transformers.core_model_loading import MergeModulelist
+
+    owned = _owned_slices(model)  # before to_empty: it reads the AutoTP layers' partition metadata
+    layout = record_tensor_layout(model)
+    model.to_empty(device="cpu")
+    restore_tensor_layout(model, layout)
+
+    index = _checkpoint_index(target.path)
+    key_map = _map_checkpoint_keys(model, list(index))
+    sources, converter_of = key_map.sources, key_map.converter_of
+    state = model.state_dict(keep_vars=True)
+    family = target.family
+    if target.tie_word_embeddings and family.lm_head_weight_key in state and family.lm_head_weight_key not in sources:
+        sources[family.lm_head_weight_key] = [family.embed_weight_key]  # tied: the lm_head is the embedding
+    missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
+    if missing or key_map.unexpected:
+        raise CaptureError(
+            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its config.json "
+            f"(missing: {_few(missing)}; unexpected: {_few(key_map.unexpected)}). Re-save the target with "
+            "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
+        )
+
+    # Plan the reads: per file, (checkpoint key, model tensor, slice). A converted tensor (fused experts)
+    # gathers one piece per owned expert; the pieces may sit in several files.
+    reads: dict[Path, list[tuple[str, str, _Owned | None]]] = defaultdict(list)
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    num_pieces: dict[str, int] = {}
+    for name, keys in sources.items():
+        cut = owned.get(name)
+        if name in converter_of:
+            converter = converter_of[name]
+            if cut is not None and not (cut.experts and isinstance(converter.operations[0], MergeModulelist)):
+                raise CaptureError(f"{name}: a sliced tensor built by {converter!r} is not supported.")
+            keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
+            pieces[name], num_pieces[name], cut = {}, len(keys), None
+        for key in keys:
+            reads[index[key]].append((key, name, cut))
+
+    stats = LoadStats()
+    for path in sorted(reads):
+        with safe_open(path, framework="pt") as handle:  # one file mapped at a time
+            for key, name, cut in reads[path]:
+                tensor = _read(handle, key, cut)
+                num_bytes = tensor.numel() * tensor.element_size()
+                stats.bytes_read += num_bytes
+                stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
+                if name in pieces:
+                    pieces[name][key] = tensor
+                    if len(pieces[name]) < num_pieces[name]:
+                        continue
+                    tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+                _copy_into(state[name], tensor, name, key)
+        stats.num_files += 1
+    assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
+    return stats
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "") or "none"
+
+
+def _owned_expert_keys(keys: list[str], pattern_of: dict[str, str], cut: _Owned | None) -> list[str]:
+    """The checkpoint keys of this rank's experts: per source pattern (gate, up, ...), entries [start, +length)."""
+    if cut is None:
+        return keys
+    by_pattern: dict[str, list[str]] = defaultdict(list)
+    for key in keys:  # natural order: expert 0, 1, ..., E-1 within each pattern
+        by_pattern[pattern_of[key]].append(key)
+    return [key for group in by_pattern.values() for key in group[cut.start : cut.start + cut.length]]
+
+
+def _convert(converter: Any, pieces: dict[str, torch.Tensor], pattern_of: dict[str, str], name: str) -> torch.Tensor:
+    """Run transformers' conversion ops (stack experts, concatenate gate/up) on this rank's pieces."""
+    from transformers.core_model_loading import dot_natural_key
+
+    collected: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for key in sorted(pieces, key=dot_natural_key):  # pieces arrive in file order, experts stack in index order
+        collected[pattern_of[key]].append(pieces[key])
+    result: dict[str, Any] = dict(collected)
+    for op in converter.operations:
+        result = op.convert(result, source_patterns=converter.source_patterns,
+                            target_patterns=converter.target_patterns, full_layer_name=name)
+    (tensor,) = result.values()
+    return tensor
+
+
+def _copy_into(destination: torch.Tensor, tensor: torch.Tensor, name: str, key: str) -> None:
+    if destination.shape != tensor.shape:
+        raise CaptureError(
+            f"{key}: checkpoint slice has shape {tuple(tensor.shape)} but {name} on this rank is "
+            f"{tuple(destination.shape)}; the checkpoint does not match its config.json."
+        )
+    destination.copy_(tensor)  # casts to the model's dtype, as from_pretrained(dtype=...) does

@@ -1,0 +1,22 @@
+"""The world-of-one engine: the target loaded whole by Hugging Face, frozen.
+
+In:  a :class:`~ds_capture.families.TargetInfo`, the compute dtype and attention implementation.
+Out: ``AutoModelForCausalLM.from_pretrained(...)`` in eval mode with gradients off; this is also the
+     reference every sharded layout must reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_capture.families import TargetInfo
+
+
+def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    """The whole target on CPU in ``dtype``, ``eval()``, ``requires_grad_(False)``."""
+    import transformers
+
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype, **kwargs)
+    return model.eval().requires_grad_(False)

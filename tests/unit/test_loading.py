@@ -1,0 +1,104 @@
+"""Meta build + slice loading equals ``from_pretrained`` exactly; EP ownership reads only this rank's experts.
+
+No process group: expert parallelism is applied with ``ep_group=None`` (the layout only; no forward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_capture.engine.expert_parallel import apply_expert_parallel
+from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+from ds_capture.engine.single import build_single_model
+from ds_capture.errors import CaptureError
+from ds_capture.families import read_target_info
+
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mixtral"]
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_meta_build_and_full_load_equal_from_pretrained(tiny_target, model_type, dtype):
+    target = read_target_info(tiny_target(model_type, num_hidden_layers=2))
+    reference = build_single_model(target, dtype=dtype, attn_implementation=None)
+    model = build_meta_model(target, dtype=dtype, attn_implementation=None)
+    stats = load_owned_parameters(model, target)
+
+    expected, actual = _tensors(reference), _tensors(model)
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert not actual[name].is_meta, name
+        assert torch.equal(actual[name], tensor), name
+    assert stats.bytes_read == sum(
+        t.numel() * t.element_size() for t in _checkpoint_tensors(target.path).values()
+    )
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def _checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for file in sorted(path.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parallel_layout_reads_only_its_experts(tiny_target, model_type):
+    target = read_target_info(tiny_target(model_type, num_hidden_layers=2))
+    reference = build_single_model(target, dtype=torch.float32, attn_implementation=None)
+    on_disk = _checkpoint_tensors(target.path)
+    expert_bytes = sum(t.numel() * t.element_size() for k, t in on_disk.items() if ".mlp.experts." in k)
+    total_bytes = sum(t.numel() * t.element_size() for t in on_disk.values())
+
+    for ep_rank in range(2):
+        model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
+        apply_expert_parallel(model, target.family, ep_group=None, ep_size=2, ep_rank=ep_rank)
+        stats = load_owned_parameters(model, target)
+        read_experts = sum(n for name, n in stats.bytes_by_param.items() if ".mlp.experts." in name)
+        assert read_experts == expert_bytes // 2
+        assert stats.bytes_read == total_bytes - expert_bytes // 2
+        half = target.num_experts // 2
+        for name, param in reference.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                mine = model.get_parameter(name)
+                assert torch.equal(mine, param[ep_rank * half : (ep_rank + 1) * half]), name
+            else:
+                assert torch.equal(model.get_parameter(name), param), name
+
+
+def test_expert_parallel_refuses_a_degree_that_does_not_divide_the_experts(tiny_target):
+    target = read_target_info(tiny_target("qwen3_moe", num_hidden_layers=2))
+    model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
+    with pytest.raises(CaptureError, match=r"ep_size \(3\) must divide .* \(8\)"):
+        apply_expert_parallel(model, target.family, ep_group=None, ep_size=3, ep_rank=0)
+
+
+def test_a_checkpoint_missing_a_tensor_is_named(tiny_target, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_target("qwen3", num_hidden_layers=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    files = sorted(broken.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    index_file = broken / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"][dropped]
+    index_file.write_text(json.dumps(index))
+    target = read_target_info(broken)
+    model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
+    with pytest.raises(CaptureError, match="missing: " + dropped.replace(".", r"\.")):
+        load_owned_parameters(model, target)
