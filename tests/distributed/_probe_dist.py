@@ -64,7 +64,8 @@ def main() -> None:
             agree_on_error(refusal if env.rank == 0 else None)
         except CaptureError as agreed:
             report["agreed"] = str(agreed)
-        print("PROBE " + json.dumps(report), flush=True)
+        sys.stdout.write("PROBE " + json.dumps(report) + "\n")  # one write: ranks share the log
+        sys.stdout.flush()
         if args.fail:
             raise SystemExit(3)
 
