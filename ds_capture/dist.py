@@ -180,11 +180,11 @@ def first_slurm_host(nodelist: str) -> str:
             end = index
             break
     first = nodelist[:end]
-    match = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)
-    if match is None:
-        return first
-    prefix, ranges, suffix = match.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    # "rack[2-3]-n[01-04]" -> "rack2-n01": take the first value of each bracket, left to right
+    while (match := re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)) is not None:
+        prefix, ranges, suffix = match.groups()
+        first = prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return first
 
 
 def _require(environ: Mapping[str, str], launcher: str, keys: tuple[str, ...]) -> None:
