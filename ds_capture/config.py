@@ -141,12 +141,41 @@ class RecipeArgs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CaptureOptions:
+    """``capture``: this project's throughput and robustness knobs (not part of NeMo's schema)."""
+
+    pad_to_multiple_of: int = 64
+    """Each micro-batch is computed at its longest row rounded up to this (0: always at seq_length).
+    Hidden states at padding positions are written as 0 either way."""
+    sort_by_length: bool = True
+    """Batch rows of similar length together within each shard (rows are still written in dataset order)."""
+    writer_queue_shards: int = 2
+    """Shards' worth of micro-batches the asynchronous writer may hold (0: write synchronously)."""
+    nan_policy: str = "fail"
+    """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
+    written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
+    metrics_interval_steps: int = 8
+    """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
+
+    def __post_init__(self) -> None:
+        if self.pad_to_multiple_of < 0:
+            raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
+        if self.writer_queue_shards < 0:
+            raise ValueError(f"must be >= 0, got {self.writer_queue_shards}", "writer_queue_shards")
+        if self.nan_policy not in ("fail", "record"):
+            raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
+        if self.metrics_interval_steps < 1:
+            raise ValueError(f"must be >= 1, got {self.metrics_interval_steps}", "metrics_interval_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """One capture run, fully validated."""
 
     recipe_args: RecipeArgs
     dist_env: DistEnvConfig = field(default_factory=DistEnvConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
     engine: str = "deepspeed"
     """``deepspeed`` (AutoTP + expert parallelism) or ``fsdp2`` (torch fully_shard)."""
     deepspeed_config: Mapping[str, Any] | None = None
@@ -174,7 +203,9 @@ NEMO_BACKEND_KEYS = {
     "": {"backend", "model", "step_scheduler", "rng", "checkpoint", "wandb", "optimizer", "lr_scheduler"},
 }
 
-_SECTIONS = {"dist_env": DistEnvConfig, "distributed": DistributedConfig, "recipe_args": RecipeArgs}
+_SECTIONS = {
+    "dist_env": DistEnvConfig, "distributed": DistributedConfig, "recipe_args": RecipeArgs, "capture": CaptureOptions,
+}
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -17,14 +17,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
-from tqdm import tqdm
 
 from ds_capture import __version__
-from ds_capture.cache.format import DTYPES, Manifest, num_shards
-from ds_capture.cache.writer import prepare_output_dir, write_manifest, write_shard, write_target_weights
+from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
+from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
+from ds_capture.cache.writer import prepare_output_dir, write_atomic, write_manifest, write_target_weights
 from ds_capture.capture import capture_hidden_states, resolve_layer_ids
 from ds_capture.config import RunConfig
 from ds_capture.data import (
@@ -40,6 +39,7 @@ from ds_capture.engine import build_model
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
+from ds_capture.progress import Progress
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -122,47 +122,51 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     model = build_model(cfg.engine, target, plan, groups, dtype=dtype,
                         attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
 
+    options = cfg.capture
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
-    batches = list(_micro_batches(todo, rows_by_shard, args.micro_batch_size))
+    batches = [batch for index in todo for batch in plan_micro_batches(
+        index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
-    # ranks that run out of data forward a padding batch whose output is discarded.
+    # ranks that run out of data forward a tiny padding batch whose output is discarded.
     num_steps = all_reduce_max_int(len(batches))
-    filler = _padding_batch(args.micro_batch_size, args.seq_length, pad_id)
-    progress = tqdm(total=sum(len(b[2]) for b in batches), unit="sample", disable=not (show_progress and plan.rank == 0),
-                    desc=f"capture (dp rank 0 of {plan.dp_size})", dynamic_ncols=True)
-    tokens, bytes_written, shards_written = 0, 0, 0
-    shard_buffer: _ShardBuffer | None = None
-    with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers) as hooks:
+    filler = _padding_batch(min(args.seq_length, 8), pad_id)
+    progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
+                        is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
+                        metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
+    batches_per_shard = -(-manifest.shard_size // args.micro_batch_size)
+    nonfinite: list[int] = []
+    writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
+                              batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
+    with writer, torch.no_grad(), capture_hidden_states(model, target.family, layer_ids,
+                                                        target.num_hidden_layers) as hooks:
         for step in range(num_steps):
-            real = step < len(batches)
-            shard_index, first_row, (input_ids, loss_mask, num_tokens) = batches[step] if real else (-1, 0, filler)
+            batch = batches[step] if step < len(batches) else None
+            input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
             hooks.reset()
-            attention_mask = (torch.arange(args.seq_length)[None, :] < num_tokens[:, None]).long()
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            if not real:
+            if batch is None:
+                progress.step(step, 0, 0, writer=writer)
                 continue
             hidden, last = hooks.collect(dtype)
-            tokens += int(num_tokens.sum())
-            progress.update(len(input_ids))
-            if not plan.is_writer:
-                continue
-            if shard_buffer is None or shard_buffer.index != shard_index:
-                shard_buffer = _ShardBuffer(manifest, shard_index)
-            shard_buffer.put(first_row, input_ids, loss_mask, hidden, last)
-            if shard_buffer.full:
-                bytes_written += write_shard(out_dir, shard_index, shard_buffer.tensors, manifest)
-                shards_written += 1
-                shard_buffer = None
+            _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)
+            if plan.is_writer:
+                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
+                                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last))
+            progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
+    progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
+    if nonfinite:
+        _record_nonfinite(out_dir, nonfinite, plan)
 
     # Publish only after every rank has written its shards (and only if all of them succeeded).
     agree_on_error(None)
     if plan.is_manifest_writer:
         write_manifest(out_dir, manifest.with_complete(True))
+    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
-        shards_written=shards_written, shards_skipped=len(done_shards), num_tokens=tokens,
-        bytes_written=bytes_written, seconds=time.perf_counter() - started,
+        shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
+        bytes_written=totals[1], seconds=time.perf_counter() - started,
     )
 
 
@@ -250,41 +254,99 @@ def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]
     return embed, tensors.get(family.lm_head_weight_key, embed)
 
 
-def _micro_batches(shards: list[int], rows_by_shard: dict, batch_size: int) -> Iterator[tuple[int, int, tuple]]:
-    """(shard index, first row within the shard, (input_ids, loss_mask, num_tokens)) per micro-batch."""
-    for index in shards:
-        input_ids, loss_mask, num_tokens = rows_by_shard[index]
-        for lo in range(0, len(input_ids), batch_size):
-            hi = lo + batch_size
-            yield index, lo, (input_ids[lo:hi], loss_mask[lo:hi], num_tokens[lo:hi])
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One forward: rows of one shard (their positions in it) computed at ``length`` <= seq_length."""
+
+    shard_index: int
+    rows: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    num_tokens: torch.Tensor
+    length: int
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Padding gets attention 0; with right padding and causal attention, content positions
+        # do not depend on the computed length.
+        positions = torch.arange(self.length)[None, :]
+        return self.input_ids[:, :self.length], (positions < self.num_tokens[:, None]).long()
 
 
-def _padding_batch(batch_size: int, seq_length: int, pad_id: int) -> tuple:
-    ids = torch.full((batch_size, seq_length), pad_id, dtype=torch.long)
-    return ids, torch.zeros_like(ids), torch.full((batch_size,), seq_length, dtype=torch.long)
+def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_length: int, options) -> list[PlannedBatch]:
+    """The micro-batches of one shard.
+
+    Rows are optionally sorted by length within the shard, and each batch is computed at its longest
+    row rounded up to ``pad_to_multiple_of`` (0: at ``seq_length``). The plan depends only on the
+    shard, so every layout (single, DP, TP, EP, FSDP2) forwards exactly the same batches.
+    """
+    input_ids, loss_mask, num_tokens = rows
+    order = torch.arange(len(input_ids))
+    if options.sort_by_length:
+        order = torch.sort(num_tokens, descending=True, stable=True).indices
+    batches = []
+    for lo in range(0, len(order), batch_size):
+        picked = order[lo:lo + batch_size]
+        length = seq_length
+        if options.pad_to_multiple_of:
+            multiple = options.pad_to_multiple_of
+            longest = max(1, int(num_tokens[picked].max()))
+            length = min(seq_length, -(-longest // multiple) * multiple)
+        batches.append(PlannedBatch(shard_index=shard_index, rows=picked, input_ids=input_ids[picked],
+                                    loss_mask=loss_mask[picked].clone(), num_tokens=num_tokens[picked],
+                                    length=length))
+    return batches
 
 
-class _ShardBuffer:
-    """One shard's rows, filled micro-batch by micro-batch into preallocated tensors."""
+def _padding_batch(length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((1, length), pad_id, dtype=torch.long)
+    return ids, torch.ones_like(ids)
 
-    def __init__(self, manifest: Manifest, index: int) -> None:
-        self.index = index
-        self.tensors = {name: torch.empty(shape, dtype=dtype)
-                        for name, (shape, dtype) in manifest.expected_shard_tensors(index).items()}
-        self.rows = manifest.shard_rows(index)
-        self.filled = 0
 
-    def put(self, first_row: int, input_ids, loss_mask, hidden, last) -> None:
-        rows = slice(first_row, first_row + len(input_ids))
-        self.tensors["input_ids"][rows] = input_ids
-        self.tensors["loss_mask"][rows] = loss_mask
-        self.tensors["target_hidden_states"][rows] = hidden
-        self.tensors["target_last_hidden_states"][rows] = last
-        self.filled += len(input_ids)
+def _rows_in(manifest: Manifest, shards) -> int:
+    return sum(manifest.shard_rows(index) for index in shards)
 
-    @property
-    def full(self) -> bool:
-        return self.filled == self.rows
+
+def _check_finite(batch: PlannedBatch, hidden: torch.Tensor, last: torch.Tensor, manifest: Manifest,
+                  policy: str, nonfinite: list[int]) -> None:
+    """NaN/Inf in a captured state at a content position: stop naming the sample (``fail``), or zero
+    the row's states and loss_mask and record it (``record``)."""
+    length = hidden.shape[1]
+    content = (torch.arange(length)[None, :] < batch.num_tokens[:, None]).to(hidden.device)
+    finite = torch.isfinite(hidden).all(dim=-1) & torch.isfinite(last).all(dim=-1)
+    bad_rows = (~finite & content).any(dim=1).cpu()
+    if not bool(bad_rows.any()):
+        return
+    samples = [batch.shard_index * manifest.shard_size + int(row) for row in batch.rows[bad_rows]]
+    if policy == "fail":
+        raise CaptureError(
+            f"the target produced NaN/Inf hidden states for sample(s) {samples} (dataset order). Check the "
+            "checkpoint and cache_dtype (fp16 overflows easily), or set capture.nan_policy: record to write "
+            "such samples with zero states and loss_mask and list them in .ds_capture/nonfinite_samples.*.json."
+        )
+    hidden[bad_rows.to(hidden.device)] = 0
+    last[bad_rows.to(last.device)] = 0
+    batch.loss_mask[bad_rows] = 0
+    nonfinite.extend(samples)
+
+
+def _record_nonfinite(out_dir: Path, samples: list[int], plan: ParallelPlan) -> None:
+    if not plan.is_writer:
+        return
+    path = out_dir / BOOKKEEPING_DIR / f"nonfinite_samples.dp{plan.dp_rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(sorted(samples))))
+    _LOG.warning("%d sample(s) had NaN/Inf hidden states; written with zero states and loss_mask, listed in %s",
+                 len(samples), path)
+
+
+def _sum_over_ranks(values: list[int]) -> list[int]:
+    """Sum ``values`` over all ranks (collective); identity without a process group."""
+    import torch.distributed as torch_dist
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor)
+    return [int(v) for v in tensor]
 
 
 def _broadcast_from_rank0(value):
