@@ -76,25 +76,3 @@ def write_recipe(tmp_path: Path) -> Callable[..., Path]:
 
     return write
 
-
-@pytest.fixture(autouse=True)
-def _single_engine_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TEMPORARY: stands in for ds_capture/engine/single.py until it lands (then this is deleted).
-
-    Does nothing once ``ds_capture.engine.single`` imports, so the real engine is tested then.
-    """
-    try:
-        import ds_capture.engine.single  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import ds_capture.runner
-    from transformers import AutoModelForCausalLM
-
-    def build_model(engine, target, plan, groups, *, dtype, attn_implementation, ds_config):
-        assert plan.world_size == 1, "the stand-in engine is single-process only"
-        model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype,
-                                                     attn_implementation=attn_implementation)
-        return model.eval().requires_grad_(False)
-
-    monkeypatch.setattr(ds_capture.runner, "build_model", build_model)
