@@ -154,7 +154,7 @@ def _ds_values(ds_config: Mapping[str, Any] | None, keys: tuple[tuple[str, str],
         if isinstance(block, Mapping) and block.get(key) is not None:
             value = block[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CaptureError(f"{ds_source}: {section}.{key} must be a positive integer, got {value!r}.")
+                raise CaptureError(f"{ds_source}: {section}.{key} must be a non-negative integer, got {value!r}.")
             found[f"{section}.{key}"] = max(value, 1)
     if len(set(found.values())) > 1:
         shown = " but ".join(f"{k} = {v}" for k, v in found.items())
