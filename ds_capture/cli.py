@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarise a cache for humans")
     inspect.add_argument("cache_dir", type=Path)
     inspect.add_argument("--json", action="store_true")
+
+    compare = sub.add_parser("compare", help="compare two caches (exit 0 equal within tolerance, 1 different, "
+                                             "2 not a valid cache)")
+    compare.add_argument("cache_a", type=Path)
+    compare.add_argument("cache_b", type=Path, help="the reference (relative tolerance is taken against it)")
+    compare.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by cache dtype)")
+    compare.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by cache dtype)")
+    compare.add_argument("--json", action="store_true", help="print a machine-readable report")
     return parser
 
 
@@ -106,4 +114,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _cmd_run, "verify": _cmd_verify, "inspect": _cmd_inspect}
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from ds_capture.cache.compare import compare_caches
+
+    report = compare_caches(args.cache_a, args.cache_b, atol=args.atol, rtol=args.rtol)
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.format())
+    return 0 if report.equal else 1
+
+
+_COMMANDS = {"run": _cmd_run, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}
