@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,13 @@ import torch
 from ds_capture import __version__
 from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
-from ds_capture.cache.writer import prepare_output_dir, write_atomic, write_manifest, write_target_weights
+from ds_capture.cache.writer import (
+    check_output_dir,
+    prepare_output_dir,
+    write_atomic,
+    write_manifest,
+    write_target_weights,
+)
 from ds_capture.capture import capture_hidden_states, resolve_layer_ids
 from ds_capture.config import RunConfig
 from ds_capture.data import (
@@ -40,6 +46,7 @@ from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
 from ds_capture.progress import Progress
+from ds_capture.safety import FailFast, OutputLock, input_fingerprints
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -56,16 +63,20 @@ class RunSummary:
     num_tokens: int
     bytes_written: int
     seconds: float
+    capture_seconds: float = 0.0
+    """Time in the forward/write loop (``seconds`` also counts data preparation and model loading)."""
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.num_tokens / self.capture_seconds if self.capture_seconds > 0 else 0.0
 
     def format(self) -> str:
+        if self.shards_written == 0 and self.shards_skipped == self.num_shards:
+            return f"{self.output_dir} already holds this complete cache ({self.num_samples} samples); nothing to do"
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
-            f"{self.shards_skipped} already done, {self.num_tokens} tokens at {self.tokens_per_s:,.0f} tokens/s, "
-            f"{self.bytes_written / 2**20:,.1f} MiB written in {self.seconds:.1f} s"
+            f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
+            f"{self.bytes_written / 2**20:,.1f} MiB written; {self.seconds:.1f} s in all"
         )
 
 
@@ -83,7 +94,9 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
                       num_key_value_heads=target.num_key_value_heads)
     _check_family_layout(target, plan)
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
-        return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
+        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
+        with FailFast(plan.rank):
+            return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
 
 
 def _check_family_layout(target: TargetInfo, plan: ParallelPlan) -> None:
@@ -96,21 +109,31 @@ def _check_family_layout(target: TargetInfo, plan: ParallelPlan) -> None:
 
 def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, *,
          restart: bool, show_progress: bool) -> RunSummary:
+    out_dir = Path(cfg.recipe_args.cache_output_dir)
+    started = time.perf_counter()
+    lock = OutputLock(out_dir) if plan.is_manifest_writer else None
+    try:
+        # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
+        # the rows of its own DP range. Any failure here ends every rank with the first message.
+        error, prepared = None, None
+        try:
+            prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
+        except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
+            error = caught
+        agree_on_error(error)
+        return _capture(cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared", *,
+             started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     dtype = DTYPES[args.cache_dtype]
     out_dir = Path(args.cache_output_dir)
-    started = time.perf_counter()
-
-    # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
-    # the rows of its own DP range. Any failure here ends every rank with the first message.
-    error, prepared = None, None
-    try:
-        prepared = _prepare(cfg, target, layer_ids, plan, out_dir, restart=restart)
-    except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
-        error = caught
-    agree_on_error(error)
-    manifest, rows_by_shard, done_shards, already_complete, pad_id = prepared
-    done_shards, already_complete = _broadcast_from_rank0((done_shards, already_complete))
+    manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
+    done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
     if already_complete:
         # Nothing to recompute and nothing to republish: the directory is left exactly as it was.
         _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)
@@ -129,6 +152,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
     # ranks that run out of data forward a tiny padding batch whose output is discarded.
     num_steps = all_reduce_max_int(len(batches))
+    loop_started = time.perf_counter()
     filler = _padding_batch(min(args.seq_length, 8), pad_id)
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
                         is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
@@ -167,19 +191,20 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
+        capture_seconds=time.perf_counter() - loop_started,
     )
 
 
-def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path, *,
-             restart: bool):
+def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,
+             lock: OutputLock | None, *, restart: bool) -> "_Prepared":
     """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
     from transformers import AutoTokenizer
 
     args = cfg.recipe_args
     tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
-    conversations = read_conversations(resolve_special_path(args.train_data_path), split=args.train_split,
-                                       shuffle_seed=args.shuffle_seed)
+    data_path = Path(resolve_special_path(args.train_data_path))
+    conversations = read_conversations(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
     manifest = Manifest(
         target_model=args.target_model_name_or_path,
         target_model_type=target.model_type,
@@ -213,24 +238,52 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         lo = index * manifest.shard_size - samples.start
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
-    done: set[int] = set()
-    already_complete = False
+    prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
     if plan.is_manifest_writer:
-        done = prepare_output_dir(out_dir, manifest, restart=restart)
-        already_complete = len(done) == manifest.num_shards and _published(out_dir)
-        if not already_complete:
-            # Write order (DESIGN §3): target weights, manifest with complete=false, shards, complete=true.
-            embed, lm_head = read_target_weights(target)
-            write_target_weights(out_dir, embed, lm_head, args.cache_dtype)
-            write_manifest(out_dir, manifest)
-    return manifest, rows_by_shard, done, already_complete, pad_token_id(tokenizer)
+        _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
+    return prepared
 
 
-def _published(out_dir: Path) -> bool:
-    """True when ``out_dir`` holds a manifest with ``complete: true`` (identity already checked)."""
-    from ds_capture.cache.reader import read_manifest
+@dataclass
+class _Prepared:
+    manifest: Manifest
+    rows_by_shard: dict
+    pad_id: int
+    done: set = field(default_factory=set)
+    already_complete: bool = False
 
-    return read_manifest(out_dir).complete
+
+def _prepare_output(prepared: _Prepared, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
+                    cache_dtype: str, restart: bool) -> None:
+    """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards,
+    and (unless complete) write the target weights and the manifest with complete=false."""
+    fingerprints = input_fingerprints(data_path, target.path)
+    manifest = prepared.manifest = replace(
+        prepared.manifest, bookkeeping={**prepared.manifest.bookkeeping, "inputs": fingerprints})
+    existing = check_output_dir(out_dir, manifest)
+    if existing is not None and not restart:
+        _refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
+    lock.acquire()
+    prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
+    prepared.already_complete = (len(prepared.done) == manifest.num_shards and existing is not None
+                                 and existing.complete and not restart)
+    if not prepared.already_complete:
+        # Write order (DESIGN §3): target weights, manifest with complete=false, shards, complete=true.
+        embed, lm_head = read_target_weights(target)
+        write_target_weights(out_dir, embed, lm_head, cache_dtype)
+        write_manifest(out_dir, manifest)
+
+
+def _refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
+    changed = [name for name, value in current.items() if name in recorded and recorded[name] != value]
+    if changed:
+        what = {"train_data_sha256": "the dataset's content", "tokenizer_sha256": "the tokenizer files"}
+        raise CaptureError(
+            f"{out_dir} was started from different inputs under the same paths: "
+            + " and ".join(what.get(name, name) for name in changed)
+            + " changed since (sha256 differs). Mixing them would corrupt the cache silently. Use a new "
+            "cache_output_dir, or pass --restart to recompute every shard from the current inputs."
+        )
 
 
 def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:

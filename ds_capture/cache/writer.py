@@ -80,21 +80,31 @@ def read_recorded_checksum(out_dir: Path, index: int) -> str | None:
     return text.split()[0] if text.split() else None
 
 
-def prepare_output_dir(out_dir: Path, manifest: Manifest, *, restart: bool = False) -> set[int]:
-    """Check ``out_dir`` before anything is written; return the shard indices already done.
+def check_output_dir(out_dir: Path, manifest: Manifest) -> Manifest | None:
+    """Read-only check of ``out_dir``; returns its existing manifest (same identity) or None.
 
     Refuses (CaptureError, nothing written or deleted) a manifest of a different identity and a
     non-empty directory without a manifest that holds files this writer could not have made.
-    ``restart`` keeps those checks but returns an empty set, so every shard is recomputed.
     """
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST_NAME
-    existing: Manifest | None = None
     if manifest_path.is_file():
         existing = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), str(manifest_path))
         _refuse_identity_mismatch(out_dir, existing, manifest)
-    elif out_dir.exists():
+        return existing
+    if out_dir.exists():
         _refuse_foreign_entries(out_dir)
+    return None
+
+
+def prepare_output_dir(out_dir: Path, manifest: Manifest, *, restart: bool = False) -> set[int]:
+    """Check ``out_dir`` (``check_output_dir``), then clear stale ``.tmp`` files; return the shards already done.
+
+    Call it holding the directory's lock: the ``.tmp`` files of a running job are not stale.
+    ``restart`` keeps the checks but returns an empty set, so every shard is recomputed.
+    """
+    out_dir = Path(out_dir)
+    existing = check_output_dir(out_dir, manifest)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(out_dir)
     if existing is None or restart:
