@@ -94,17 +94,20 @@ def record_tensor_layout(model: nn.Module) -> TensorLayout:
 def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
     """Undo what a whole-model cast did (``init_inference`` calls ``module.bfloat16()``) and restore real buffers.
 
-    Parameters keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
+    Parameters and checkpoint buffers keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
     """
     for name, param in model.named_parameters():
         if param.dtype != layout.dtypes[name]:
             module_name, _, leaf = name.rpartition(".")
             fresh = torch.empty(param.shape, dtype=layout.dtypes[name], device=param.device)
             setattr(model.get_submodule(module_name), leaf, nn.Parameter(fresh, requires_grad=False))
-    for name, saved in layout.host_buffers.items():
+    for name, buffer in model.named_buffers():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._buffers[leaf] = saved.clone()
+        if name in layout.host_buffers:
+            module._buffers[leaf] = layout.host_buffers[name].clone()
+        elif buffer.dtype != layout.dtypes[name]:  # e.g. DeepSeek's fp32 e_score_correction_bias
+            module._buffers[leaf] = torch.empty(buffer.shape, dtype=layout.dtypes[name], device=buffer.device)
 
 
 def _owned_slices(model: nn.Module) -> dict[str, _Owned]:
