@@ -221,10 +221,11 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     from safetensors import safe_open
     from transformers.core_model_loading import MergeModulelist
 
-    owned = _owned_slices(model)  # before to_empty: it reads the AutoTP layers' partition metadata
+    owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
     layout = record_tensor_layout(model)
-    model.to_empty(device="cpu")
-    restore_tensor_layout(model, layout)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device="cpu")  # allocates only this rank's shards: the layout is already applied
+        restore_tensor_layout(model, layout)
 
     index = _checkpoint_index(target.path)
     key_map = _map_checkpoint_keys(model, list(index))
