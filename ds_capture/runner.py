@@ -40,7 +40,13 @@ from ds_capture.data import (
     tokenize_conversations,
 )
 from ds_capture.demo import resolve_special_path
-from ds_capture.dist import agree_on_error, all_reduce_max_int, discover_env, distributed_session
+from ds_capture.dist import (
+    agree_on_error,
+    all_reduce_max_int,
+    discover_env,
+    distributed_session,
+    repair_cpu_allreduce,
+)
 from ds_capture.engine import build_model
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
@@ -94,6 +100,8 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
                       num_key_value_heads=target.num_key_value_heads)
     _check_family_layout(target, plan)
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
+        # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
+        repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
         with FailFast(plan.rank):
             return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
