@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -169,8 +171,8 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     nonfinite: list[int] = []
     writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
                               batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
-    with writer, torch.no_grad(), capture_hidden_states(model, target.family, layer_ids,
-                                                        target.num_hidden_layers) as hooks:
+    with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
+            model, target.family, layer_ids, target.num_hidden_layers) as hooks:
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
             input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
@@ -193,7 +195,8 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     # Publish only after every rank has written its shards (and only if all of them succeeded).
     agree_on_error(None)
     if plan.is_manifest_writer:
-        write_manifest(out_dir, manifest.with_complete(True))
+        with _output_errors(out_dir):
+            write_manifest(out_dir, manifest.with_complete(True))
     totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
@@ -248,8 +251,24 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
     prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
     if plan.is_manifest_writer:
-        _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
+        try:
+            _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
+        except OSError as error:
+            raise output_error(out_dir, error) from error
     return prepared
+
+
+def output_error(out_dir: Path, error: OSError) -> CaptureError:
+    """A clear message for a read-only, full or missing output location (no partial file is left behind)."""
+    import errno
+
+    reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the filesystem is read-only",
+              errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+              errno.EDQUOT: "the disk quota is exceeded"}.get(error.errno, error.strerror or str(error))
+    return CaptureError(
+        f"cannot write the cache to {out_dir}: {reason} ({error.filename or out_dir}). Free space or fix the "
+        "permissions and rerun the same command: finished shards are kept and only the rest is recomputed."
+    )
 
 
 @dataclass
@@ -408,6 +427,19 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
     if torch_dist.is_initialized():
         torch_dist.all_reduce(tensor)
     return [int(v) for v in tensor]
+
+
+@contextmanager
+def _output_errors(out_dir: Path) -> Iterator[None]:
+    """Turn an I/O error of the shard writer (raised here with its cause) into a clear message."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error.__cause__, OSError):
+            raise output_error(out_dir, error.__cause__) from error
+        raise
+    except OSError as error:
+        raise output_error(out_dir, error) from error
 
 
 def _broadcast_from_rank0(value):
