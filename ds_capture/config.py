@@ -156,8 +156,13 @@ class CaptureOptions:
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
     metrics_interval_steps: int = 8
     """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
+    compute_dtype: str = "auto"
+    """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
+    the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
 
     def __post_init__(self) -> None:
+        if self.compute_dtype not in ("auto", *CACHE_DTYPES):
+            raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
         if self.pad_to_multiple_of < 0:
             raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
         if self.writer_queue_shards < 0:

@@ -109,6 +109,13 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
             return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
 
 
+def resolve_compute_dtype(name: str) -> torch.dtype:
+    """``auto`` is NeMo's producer rule: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[name]
+
+
 def _check_family_layout(target: TargetInfo, plan: ParallelPlan) -> None:
     family = target.family
     if plan.tp_size > 1 and not family.supports_tp:
@@ -141,6 +148,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
              started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     dtype = DTYPES[args.cache_dtype]
+    compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
     done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
@@ -152,7 +160,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                           seconds=time.perf_counter() - started)
 
     groups = new_groups(plan) if plan.world_size > 1 else None
-    model = build_model(cfg.engine, target, plan, groups, dtype=dtype,
+    model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
                         attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
 
     options = cfg.capture
