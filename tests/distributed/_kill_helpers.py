@@ -1,0 +1,229 @@
+"""Kill a capture at reproducible points and compare what a rerun leaves behind.
+
+Two ways to kill, mixed by the crash tests and ``benchmarks/soak.py``:
+
+- **From inside** (deterministic): ``python tests/distributed/_kill_helpers.py run -c cfg.yaml`` is
+  ``ds-capture`` with a kill switch read from ``DS_CAPTURE_TEST_KILL=<point>:<k>:<ranks>``; the process
+  SIGKILLs itself at the k-th (1-based) event of ``point`` on the listed ranks (``all`` or ``0,1``):
+
+  ``forward``   inside the forward pass (pre-hook of the second decoder layer), peers mid-collective;
+  ``save``      mid-shard-write: the shard's ``.tmp`` is half written (truncated), never renamed;
+  ``sidecar``   a shard renamed into place but its sha256 sidecar not yet written;
+  ``flip``      after every shard, before ``manifest.json`` is flipped to ``complete: true``;
+  ``after_flip`` right after the flip, before the process exits.
+
+  :func:`install_kill` applies the same switch in-process (the single-process tests fork and call it).
+- **From outside** (seeded): :func:`launch` starts a launcher in its own session and
+  :func:`kill_when` SIGKILLs the whole process group once a condition on the output directory holds
+  (e.g. "n shard files exist"), the moment chosen by the test's seed.
+
+In: launcher kind, rank count, argv, a condition. Out: digests of the cache files, the set of finished
+shards (final name + matching sidecar), the inode of each shard (a rerun must not rewrite finished ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+KILL_ENV = "DS_CAPTURE_TEST_KILL"
+POINTS = ("forward", "save", "sidecar", "flip", "after_flip")
+SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
+
+
+# ---------------------------------------------------------------------------------------------- inside kills
+
+
+def _this_rank() -> int:
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill(spec: str) -> None:
+    """Patch ds_capture so this process SIGKILLs itself at ``<point>:<k>:<ranks>`` (see module docstring)."""
+    point, k, ranks = spec.split(":")
+    k = int(k)
+    if point not in POINTS:
+        raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
+    if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
+        return
+    import ds_capture.cache.writer as writer
+    import ds_capture.runner as runner
+
+    count = [0]
+
+    def hit() -> bool:
+        count[0] += 1
+        return count[0] == k
+
+    if point == "forward":
+        build_model = runner.build_model
+
+        def build_and_arm(*args, **kwargs):
+            model = build_model(*args, **kwargs)
+            layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+            layers[min(1, len(layers) - 1)].register_forward_pre_hook(lambda *_: _die() if hit() else None)
+            return model
+
+        runner.build_model = build_and_arm
+    elif point == "save":
+        save_file = writer.save_file
+
+        def save_half(tensors, path, *args, **kwargs):
+            save_file(tensors, path, *args, **kwargs)
+            if Path(path).name.startswith("shard-") and hit():
+                os.truncate(path, os.path.getsize(path) // 2)
+                _die()
+
+        writer.save_file = save_half
+    elif point == "sidecar":
+        write_atomic = writer.write_atomic
+
+        def atomic_or_die(path, write):
+            if Path(path).parent.name == "checksums" and hit():
+                _die()
+            write_atomic(path, write)
+
+        writer.write_atomic = atomic_or_die
+    else:
+        write_manifest = runner.write_manifest
+
+        def manifest_or_die(out_dir, manifest):
+            if manifest.complete and point == "flip":
+                _die()
+            write_manifest(out_dir, manifest)
+            if manifest.complete and point == "after_flip":
+                _die()
+
+        runner.write_manifest = manifest_or_die
+
+
+# ---------------------------------------------------------------------------------------------- outside kills
+
+
+def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None, log_path: Path
+           ) -> tuple[subprocess.Popen, int]:
+    """Start ``argv`` on ``nproc`` ranks through launcher ``kind`` in a new session; (process, master port)."""
+    from tests.distributed.launchers import child_env, free_port, launcher_commands, REPO_ROOT
+
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="ds_capture_kill_"))
+    (command,) = launcher_commands(kind, nproc, argv, port, workdir)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, port
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def kill_when(proc: subprocess.Popen, condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.005) -> bool:
+    """SIGKILL ``proc``'s whole process group as soon as ``condition()`` holds; True if it was killed
+    (False: the job ended first). Never outlives ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            kill_group(proc)
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll_s)
+    kill_group(proc)
+    raise TimeoutError(f"kill condition not reached within {timeout_s} s")
+
+
+def wait_and_reap(proc: subprocess.Popen, port: int, timeout_s: float) -> int:
+    """Wait for the launcher (killing its session at the deadline: 124), then remove its /dev/shm buffers."""
+    from tests.distributed.launchers import shm_buffers
+
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = 124
+    kill_group(proc)  # ranks a launcher left behind die with their session
+    for path in shm_buffers(port):
+        Path(path).unlink(missing_ok=True)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------- what is on disk
+
+
+def cache_digests(out_dir: Path) -> dict[str, str]:
+    """sha256 of every cache file (manifest, target weights, shards); bookkeeping under .ds_capture/ excluded."""
+    out_dir = Path(out_dir)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out_dir.iterdir())
+            if p.is_file() and (p.name in ("manifest.json", "target_weights.safetensors") or SHARD_RE.match(p.name))}
+
+
+def shard_files(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in Path(out_dir).glob("shard-*.safetensors"))
+
+
+def finished_shards(out_dir: Path) -> set[int]:
+    """Shards under their final name whose bytes match the sidecar (what a rerun must keep)."""
+    out_dir = Path(out_dir)
+    done = set()
+    for name in shard_files(out_dir):
+        index = int(SHARD_RE.match(name).group(1))
+        sidecar = out_dir / ".ds_capture" / "checksums" / name.replace(".safetensors", ".sha256")
+        if sidecar.is_file() and sidecar.read_text().split()[0] == hashlib.sha256(
+                (out_dir / name).read_bytes()).hexdigest():
+            done.add(index)
+    return done
+
+
+def shard_inodes(out_dir: Path) -> dict[str, int]:
+    """Each shard's inode: ``os.replace`` gives a rewritten shard a new one."""
+    return {name: (Path(out_dir) / name).stat().st_ino for name in shard_files(out_dir)}
+
+
+def manifest_complete(out_dir: Path) -> bool | None:
+    import json
+
+    try:
+        return json.loads((Path(out_dir) / "manifest.json").read_text())["complete"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
+SUMMARY_RE = re.compile(r"(\d+) shards written, (\d+) already done")
+
+
+def summary_counts(text: str) -> tuple[int, int] | None:
+    """(written, already done) from the ``ds-capture run`` summary line; (0, all) for 'nothing to do'."""
+    found = SUMMARY_RE.findall(text)
+    if found:
+        return int(found[-1][0]), int(found[-1][1])
+    return None
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    if os.environ.get(KILL_ENV):
+        install_kill(os.environ[KILL_ENV])
+    from ds_capture.cli import main
+
+    sys.exit(main(sys.argv[1:]))
