@@ -8,8 +8,10 @@ and ``ratio`` = capture tokens/s / bare tokens/s (goal: >= 0.9).
 - ``bare``: ``model.model(input_ids, attention_mask)`` over the same micro-batches the runner
   forwards (``runner.plan_micro_batches``: rows sorted by length within a shard, each batch cut to
   its longest row rounded up), no hooks, no casts, no writes, model already loaded.
-- ``capture``: ``run_capture`` end to end into a fresh directory (tokenisation, model load, hooks,
-  casts, shard and manifest writes, checksums), timed around the whole call.
+- ``capture``: ``run_capture`` into a fresh directory; its capture loop (forwards with hooks, casts,
+  asynchronous shard writes with fsync and checksums, until the last shard is on disk) is what the
+  ratio compares. The whole call (adding tokenisation, model load, target weights, manifests) is
+  reported as ``end_to_end_seconds``.
 
 Tokens are the non-padding tokens of the rows (the same count for both). Run it with:
 
@@ -95,14 +97,16 @@ def main() -> None:
                 model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return time.perf_counter() - started
 
+    end_to_end_s = []
+
     def capture(work: Path, repeat: int) -> float:
         recipe = write_recipe(work, repeat)
         cfg = load_config(recipe)
         started = time.perf_counter()
         summary = run_capture(cfg, show_progress=False)
-        seconds = time.perf_counter() - started
+        end_to_end_s.append(time.perf_counter() - started)
         assert summary.num_tokens == num_tokens, (summary.num_tokens, num_tokens)
-        return seconds
+        return summary.capture_seconds
 
     bare()  # warm-up: first-call allocations and kernel selection
     with tempfile.TemporaryDirectory(prefix="capture_overhead-") as tmp:
@@ -126,6 +130,7 @@ def main() -> None:
         "repeats": args.repeats,
         "bare_forward": {"seconds": [round(s, 3) for s in bare_s], "median_tokens_per_s": round(bare_tps, 1)},
         "capture": {"seconds": [round(s, 3) for s in capture_s], "median_tokens_per_s": round(capture_tps, 1)},
+        "end_to_end_seconds": [round(s, 3) for s in end_to_end_s],
         "ratio": round(capture_tps / bare_tps, 3),
         "goal_ratio": 0.9,
     }, indent=2))

@@ -185,7 +185,8 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
             batch = batches[step] if step < len(batches) else None
             input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
             hooks.reset()
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            # logits_to_keep=1: the cache needs no logits; [B, S, vocab] would dwarf the hidden states.
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
