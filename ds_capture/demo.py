@@ -82,6 +82,39 @@ TINY_CONFIGS: dict[str, dict] = {
         _COMMON, hidden_size=64, intermediate_size=64, num_key_value_heads=2, head_dim=16,
         num_local_experts=8, num_experts_per_tok=2,
     ),
+    # One hash-routed layer then top-k layers (as V4's 3 hash layers), CSA (with indexer) and HCA attention
+    # with compression rates small enough to compress within a 32-token row, 2 hyper-connection streams.
+    # A freshly initialised hash router's tid2eid table is all zeros (real values come from the checkpoint).
+    "deepseek_v4": dict(
+        _COMMON, hidden_size=64, moe_intermediate_size=32, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+        qk_rope_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, hc_mult=2,
+        hc_sinkhorn_iters=3, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+        index_topk=4, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    ),
+    # GLM-5.x: first layer dense, DSA indexer attention (index_topk below the row length, so it selects).
+    "glm_moe_dsa": dict(
+        _COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=8, index_head_dim=16, index_n_heads=2,
+    ),
+    # Gemma 4 (text only: no vision / audio towers). The size fields live in text_config, so its vocab is
+    # fixed here at the demo tokenizer's upper bound (train_tokenizer's vocab_size, specials included).
+    "gemma4": dict(
+        tie_word_embeddings=False, initializer_range=0.15,
+        text_config=dict(
+            vocab_size=2048, vocab_size_per_layer_input=2048, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+            hidden_size_per_layer_input=16, sliding_window=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            initializer_range=0.15, tie_word_embeddings=False, use_cache=False, pad_token_id=0, eos_token_id=2,
+            bos_token_id=None,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        vision_config=None, audio_config=None,
+    ),
 }
 
 # The default demo target: ~8.5 MB in fp32.

@@ -79,6 +79,18 @@ _MULTIMODAL_ONLY = (
     "DSpark cache format (v1) cannot represent. Use a text-only target checkpoint."
 )
 
+# Refusals are shown after "tp_size N: " / "ep_size N: " (runner) or "distributed.tp_size (N): " (engines), so
+# each one says why and what to do instead.
+_AUTOTP_MISSHARDS = (
+    "DeepSpeed AutoTP mis-shards {what} of model_type {model_type!r} (the sharded forward dies with shape "
+    "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and shard the routed experts with "
+    "ep_size instead (data parallel x expert parallel)."
+)
+_DENSE_ONLY = (
+    "model_type {model_type!r} is registered as a dense family here: it has no routed experts to shard. "
+    "Keep ep_size 1 (use tp_size or data parallelism)."
+)
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -87,8 +99,51 @@ FAMILIES: dict[str, Family] = {
         Family(model_type="qwen3"),
         Family(model_type="mistral"),
         Family(model_type="qwen3_moe", moe_block="mlp", num_experts_key="num_experts"),
+        # On disk: block_sparse_moe.experts.E.w1/w2/w3; transformers' conversion mapping renames them.
         Family(model_type="mixtral", moe_block="mlp", num_experts_key="num_local_experts"),
+        # DeepSeek-V3 and Kimi-K2 (a deepseek_v3 checkpoint with more experts).
         Family(model_type="deepseek_v3", moe_block="mlp", num_experts_key="n_routed_experts"),
+        # Hyper-connection layers emit [B, S, hc, H]; hash-routed first layers read input_ids, which the
+        # model itself threads to every layer. transformers 5.24 saves the lm_head as `head.weight`.
+        Family(
+            model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
+            lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4"),
+        ),
+        # GLM-5.x: dense first layers (no experts there), DSA indexer attention.
+        Family(
+            model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
+                                                model_type="glm_moe_dsa"),
+        ),
+        # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
+        # size fields live in `text_config`; only the text decoder is captured.
+        Family(
+            model_type="gemma4", text_config_attr="text_config",
+            layers="model.language_model.layers", final_norm="model.language_model.norm",
+            embed_tokens="model.language_model.embed_tokens",
+            embed_weight_key="model.language_model.embed_tokens.weight",
+            supports_tp=False,
+            tp_refusal=(
+                "DeepSpeed AutoTP is not verified for model_type 'gemma4' (per-layer input embeddings, shared-KV "
+                "layers and q/k norms over the head dim). Keep tp_size 1 and scale with data parallelism."
+            ),
+            supports_ep=False,
+            ep_refusal=_DENSE_ONLY.format(model_type="gemma4")
+            + " Gemma 4's MoE variant keeps its experts on the decoder layer itself, which the expert-parallel "
+            "layer does not handle.",
+        ),
+        Family(
+            model_type="kimi_k25",
+            refusal=(
+                "model_type {model_type!r} (Kimi-K2.5) is a vision-language wrapper whose text decoder "
+                "transformers does not load as a causal LM (AutoModelForCausalLM has no mapping for it). Its text "
+                "decoder is a DeepSeek-V3 model: save text_config as config.json with the language_model.* "
+                "weights as a deepseek_v3 checkpoint, which is supported (it is the Kimi-K2 layout)."
+            ),
+        ),
         Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
     )
 }
