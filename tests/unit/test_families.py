@@ -1,0 +1,205 @@
+"""families: every registered family's single-process cache equals an independent Hugging Face computation.
+
+Per family, a tiny random-init checkpoint (``ds_capture.demo.TINY_CONFIGS``, sharded safetensors) is captured
+by ``run_capture`` (4 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``) and compared with
+``AutoModelForCausalLM.from_pretrained(...)(output_hidden_states=True)`` run row by row on the row's content:
+id ``i`` = ``hidden_states[i+1]``, id ``L-1`` = the post-final-norm state; DeepSeek-V4 hyper-connection states
+``[B, S, hc, H]`` are reduced here by their mean over hc (the reference does not use the registry's reducer).
+Tolerance (fp32, batched vs per-row forwards): ``max|a-b| <= 1e-5 * max(1, max|a|)``.
+Also: the manifest's model type / sizes (Gemma 4: outer model_type, text_config sizes) and every refusal's text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from ds_capture.config import load_config
+from ds_capture.errors import CaptureError
+from ds_capture.families import FAMILIES, get_family, read_target_info
+from ds_capture.plan import build_plan
+from ds_capture.runner import _check_family_layout, run_capture
+
+SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4")
+LAYER_IDS = [-1, 0, 1, 2, 3]
+
+
+def randomize_hash_routes(target: Path, seed: int = 0) -> None:
+    """Give every hash router (``*.gate.tid2eid``, all zeros after random init) a random token -> experts table."""
+    generator = torch.Generator().manual_seed(seed)
+    for file in sorted(target.glob("*.safetensors")):
+        tensors = load_file(file)
+        tables = [key for key in tensors if key.endswith("gate.tid2eid")]
+        for key in tables:
+            vocab, top_k = tensors[key].shape
+            num_experts = json.loads((target / "config.json").read_text())["n_routed_experts"]
+            # top_k distinct experts per token, as a real table has
+            tensors[key] = torch.rand(vocab, num_experts, generator=generator).argsort(-1)[:, :top_k].contiguous()
+        if tables:
+            save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def family_target(tmp_path_factory):
+    """``family_target(model_type) -> checkpoint dir`` (DeepSeek-V4: hash routes randomised), built once."""
+    from ds_capture.demo import build_tiny_target
+
+    root = tmp_path_factory.mktemp("family_targets")
+    built: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_tiny_target(root / model_type, model_type, seed=0)
+            randomize_hash_routes(built[model_type])
+        return built[model_type]
+
+    return make
+
+
+def _capture(target: Path, out: Path) -> Path:
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+        target_model_name_or_path=str(target), train_data_path="demo:conversations", train_split="train[:4]",
+        cache_output_dir=str(out), seq_length=32, micro_batch_size=2, cache_shard_size=4, cache_dtype="fp32",
+        target_layer_ids=LAYER_IDS)}))
+    run_capture(load_config(recipe), show_progress=False)
+    return out
+
+
+def _reference_row(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per id in LAYER_IDS, the [n, H] reference feature of one unpadded row, and the post-norm state."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids[None], output_hidden_states=True, use_cache=False)
+    states = out.hidden_states
+    num_layers = len(states) - 1
+    last = states[num_layers][0]
+    assert last.dim() == 2, "the post-final-norm state is [S, H]"
+
+    def feature(layer_id: int) -> torch.Tensor:
+        if layer_id == num_layers - 1:
+            return last
+        hidden = states[layer_id + 1][0]
+        return hidden.mean(dim=-2) if hidden.dim() == 3 else hidden  # [S, hc, H]: mean over the streams
+
+    return [feature(i) for i in LAYER_IDS], last
+
+
+@pytest.mark.parametrize("model_type", SINGLE_FAMILIES)
+def test_single_process_cache_equals_hf_hidden_states(family_target, tmp_path, model_type):
+    target = family_target(model_type)
+    cache = _capture(target, tmp_path / "cache")
+    manifest = json.loads((cache / "manifest.json").read_text())
+    config = json.loads((target / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert manifest["target_model_type"] == config["model_type"] == model_type  # the outer one for Gemma 4
+    assert (manifest["hidden_size"], manifest["num_hidden_layers"], manifest["target_vocab_size"]) == (
+        text["hidden_size"], text["num_hidden_layers"], text["vocab_size"])
+    assert manifest["complete"] is True and manifest["target_layer_ids"] == LAYER_IDS
+
+    shard = load_file(cache / "shard-000000.safetensors")
+    hidden_size = text["hidden_size"]
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    pad_id = config["pad_token_id"] if "pad_token_id" in config else text["pad_token_id"]
+    for row, input_ids in enumerate(shard["input_ids"]):
+        length = int((input_ids != pad_id).nonzero().max()) + 1  # content = all but the trailing pad run
+        features, last = _reference_row(model, input_ids[:length])
+        ours = shard["target_hidden_states"][row, :length].split(hidden_size, dim=-1)
+        for layer_id, a, b in zip(LAYER_IDS, ours, features):
+            tolerance = 1e-5 * max(1.0, a.abs().max().item())
+            assert (a - b).abs().max().item() <= tolerance, (model_type, row, layer_id, (a - b).abs().max())
+        ours_last = shard["target_last_hidden_states"][row, :length]
+        assert (ours_last - last).abs().max().item() <= 1e-5 * max(1.0, ours_last.abs().max().item())
+        assert torch.equal(ours[-1], ours_last)
+
+
+def test_deepseek_v4_hash_routes_are_random_and_used(family_target):
+    """The hash layer routes by token id: distinct experts per token, not the all-zero init table."""
+    model = AutoModelForCausalLM.from_pretrained(str(family_target("deepseek_v4")), dtype=torch.float32)
+    gate = model.model.layers[0].mlp.gate
+    assert type(gate).__name__ == "DeepseekV4HashRouter"
+    assert len(set(gate.tid2eid[:64].flatten().tolist())) == 8
+    assert (gate.tid2eid[:, 0] != gate.tid2eid[:, 1]).all()
+
+
+def test_gemma4_sizes_come_from_text_config(family_target):
+    info = read_target_info(family_target("gemma4"))
+    assert (info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size) == ("gemma4", 64, 4, 2048)
+    assert info.num_experts is None and info.family.text_config_attr == "text_config"
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_multimodal_only_targets_are_refused():
+    with pytest.raises(CaptureError) as caught:
+        get_family("minimax_m3_vl")
+    assert str(caught.value) == (
+        "config.json: model_type 'minimax_m3_vl' is a multimodal-only target: its cache would not be text-only, "
+        "which the DSpark cache format (v1) cannot represent. Use a text-only target checkpoint.")
+    with pytest.raises(CaptureError) as caught:
+        get_family("kimi_k25")
+    assert str(caught.value) == (
+        "config.json: model_type 'kimi_k25' (Kimi-K2.5) is a vision-language wrapper whose text decoder "
+        "transformers does not load as a causal LM (AutoModelForCausalLM has no mapping for it). Its text decoder "
+        "is a DeepSeek-V3 model: save text_config as config.json with the language_model.* weights as a "
+        "deepseek_v3 checkpoint, which is supported (it is the Kimi-K2 layout).")
+
+
+def test_unknown_family_lists_the_supported_ones():
+    with pytest.raises(CaptureError) as caught:
+        get_family("gpt_oss")
+    supported = sorted(name for name, family in FAMILIES.items() if not family.refusal)
+    assert str(caught.value) == (f"config.json: model_type 'gpt_oss' is not a supported target family. "
+                                 f"Supported: {', '.join(supported)}.")
+    assert {"deepseek_v4", "glm_moe_dsa", "gemma4", "mixtral", "qwen3", "deepseek_v3"} <= set(supported)
+
+
+def _autotp_refusal(what: str, model_type: str) -> str:
+    return (f"tp_size 2: DeepSpeed AutoTP mis-shards {what} of model_type '{model_type}' (the sharded forward dies "
+            "with shape errors), so this family has no tensor-parallel layout. Keep tp_size 1 and shard the routed "
+            "experts with ep_size instead (data parallel x expert parallel).")
+
+
+@pytest.mark.parametrize("model_type, tp_size, ep_size, message", [
+    ("deepseek_v4", 2, 1, _autotp_refusal("the attention compressor", "deepseek_v4")),
+    ("deepseek_v4", 2, 2, _autotp_refusal("the attention compressor", "deepseek_v4")),
+    ("glm_moe_dsa", 2, 1, _autotp_refusal("the DSA indexer (self_attn.indexer.wk)", "glm_moe_dsa")),
+    ("gemma4", 2, 1, "tp_size 2: DeepSpeed AutoTP is not verified for model_type 'gemma4' (per-layer input "
+                     "embeddings, shared-KV layers and q/k norms over the head dim). Keep tp_size 1 and scale with "
+                     "data parallelism."),
+    ("deepseek_v4", 1, 2, None),
+    ("glm_moe_dsa", 1, 2, None),
+    ("mixtral", 2, 2, None),
+    ("gemma4", 1, 1, None),
+])
+def test_layout_refusals_before_loading(family_target, model_type, tp_size, ep_size, message):
+    target = read_target_info(family_target(model_type))
+    world_size = 4 if tp_size * ep_size == 4 else 2
+    # Head counts left out: the family's refusal holds whatever they are (DeepSeek-V4 has one KV head).
+    plan = build_plan(world_size=world_size, rank=0, tp_size=tp_size, ep_size=ep_size,
+                      num_experts=target.num_experts, num_attention_heads=4, num_key_value_heads=None)
+    if message is None:
+        _check_family_layout(target, plan)
+        return
+    with pytest.raises(CaptureError) as caught:
+        _check_family_layout(target, plan)
+    assert str(caught.value) == message
+
+
+def test_gemma4_expert_parallel_is_refused_as_dense(family_target):
+    target = read_target_info(family_target("gemma4"))
+    with pytest.raises(CaptureError) as caught:
+        build_plan(world_size=2, rank=0, tp_size=1, ep_size=2, num_experts=target.num_experts,
+                   num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads)
+    assert str(caught.value) == ("ep_size 2 on a dense target: the model has no routed experts to shard. "
+                                 "Set distributed.ep_size to 1.")
+    assert get_family("gemma4").ep_refusal == (
+        "model_type 'gemma4' is registered as a dense family here: it has no routed experts to shard. Keep ep_size "
+        "1 (use tp_size or data parallelism). Gemma 4's MoE variant keeps its experts on the decoder layer itself, "
+        "which the expert-parallel layer does not handle.")
