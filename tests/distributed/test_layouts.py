@@ -1,0 +1,326 @@
+"""The same recipe gives the same cache whatever the DeepSpeed layout: 1 process, DP=2, TP=2, EP=2, TP=2 x EP=2.
+
+Targets: tiny random-init Qwen3-MoE and DeepSeek-V3 (hidden 64, 3 layers, 8 experts, sharded safetensors).
+Data: the first 10 demo conversations, seq_length 40, micro-batch 2, shards of 4 (3 shards, the last one
+ragged). Every run is the real ``run_capture`` path; this file doubles as the worker that launches it
+(``python test_layouts.py worker SPECS OUT``): it wraps ``ds_capture.runner.build_model`` to put a forward
+hook on every router of the family (``family.moe_block`` + ``family.router``; routers return
+``(logits, weights, indices)``) and a pre-hook on the model that records each forward's ``input_ids`` and
+``attention_mask``, then dumps per rank the selected experts of every content token. Several recipes run in
+one launch (one distributed session each), so the whole matrix costs one launch per world size.
+
+Modes and what must hold against the single process (same mode):
+
+* ``fp32`` (cache fp32, compute fp32): input_ids, loss_mask, target weights exact; every captured layer
+  within ``max|a-b| <= 1e-5 * max(1, max|a|)`` per tensor and layer (fp32 sums of ~64 products of values
+  up to ~20 reassociated by the TP all-reduce differ by a few ulps: 2^-23 * 20 ~ 2.4e-6 per rounding);
+  every token's selected experts identical.
+* ``bf16`` (cache bf16, ``capture.compute_dtype: bf16``): integers and weights exact. DP and EP-only:
+  hidden states bit-identical and routes identical (EP runs the model's own expert math in its own
+  order). With TP, each row-parallel layer rounds its partial sum to bf16 before the all-reduce, so the
+  forward differs by bf16 ulps and a near-tie router choice may flip: the flipped tokens are counted and
+  reported (per layer), may be at most 5% of the routed tokens, and hidden states must sit within
+  ``32 * 2^-8 * max(1, max|a|)`` (32 bf16 ulps of the tensor's scale) on every layer up to and including
+  the first layer where a route flips in that row; rows are compared whole where nothing flipped.
+* ``bf16auto`` (cache bf16, compute auto = fp32 on CPU): all layouts compute in fp32, so the caches are
+  identical after the cast to bf16 except where an fp32 ulp-level difference crosses a bf16 rounding
+  boundary: at most one bf16 ulp (``2^-8 * max(1, max|a|)``) and at most 0.1% of the elements.
+
+The measured figures are printed by ``test_print_measured_figures`` (run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+if __name__ != "__main__":
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HERE = Path(__file__).resolve()
+MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
+MODES = {  # mode -> (cache_dtype, capture.compute_dtype)
+    "fp32": ("fp32", "auto"),
+    "bf16": ("bf16", "bf16"),
+    "bf16auto": ("bf16", "auto"),
+}
+LAYOUTS = {  # layout -> (world, tp_size, ep_size)
+    "dp2": (2, 1, 1),
+    "tp2": (2, 2, 1),
+    "ep2": (2, 1, 2),
+    "tp2ep2": (4, 2, 2),
+}
+TARGET_OVERRIDES = dict(num_hidden_layers=3)
+FP32_RTOL = 1e-5
+BF16_ULP = 2.0 ** -8  # bf16 has 8 significant bits: ulp(x) <= 2^-7 |x|; 2^-8 is half-ulp at the top of a binade
+TP_BF16_ULPS = 32
+MAX_FLIP_FRACTION = 0.05
+
+
+# --------------------------------------------------------------------------- worker (runs under a launcher)
+
+
+def _worker(specs_path: str, out_root: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import ds_capture.runner as runner
+    from ds_capture.config import load_config
+    from ds_capture.families import get_submodule
+
+    real_build_model = runner.build_model
+    records: list[dict] = []
+
+    def build_model_with_router_hooks(engine, target, plan, groups, **kwargs):
+        model = real_build_model(engine, target, plan, groups, **kwargs)
+        family = target.family
+        current: dict = {}
+
+        def pre_hook(_module, _args, kwargs):
+            current.clear()
+            current.update(input_ids=kwargs["input_ids"].clone(), attention_mask=kwargs["attention_mask"].clone(),
+                           routes={})
+            records.append(current.copy())
+            records[-1]["routes"] = current["routes"]
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        for index, layer in enumerate(get_submodule(model, family.layers)):
+            block = getattr(layer, family.moe_block, None)
+            if block is None or not hasattr(block, family.experts):
+                continue  # a dense layer (DeepSeek-V3's first)
+
+            def hook(_module, _args, output, index=index):
+                current["routes"][index] = output[-1].detach().sort(dim=-1).values.clone()
+
+            getattr(block, family.router).register_forward_hook(hook)
+        return model
+
+    runner.build_model = build_model_with_router_hooks
+    rank = int(os.environ.get("RANK", "0"))
+    for number, spec in enumerate(json.loads(Path(specs_path).read_text())):
+        records.clear()
+        if number and "MASTER_PORT" in os.environ:
+            # A second process group on the first one's store hangs (keys of the destroyed group are
+            # still there): each run gets its own TCP store, rank 0 hosting it on the next port.
+            os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        runner.run_capture(load_config(spec["config"], []), show_progress=False)
+        out = Path(out_root) / spec["name"]
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(records, out / f"routes.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[2], sys.argv[3])
+    sys.exit(0)
+
+
+# --------------------------------------------------------------------------- the launches (module fixture)
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _recipe(path: Path, target: Path, out: Path, mode: str, tp_size: int, ep_size: int) -> Path:
+    cache_dtype, compute_dtype = MODES[mode]
+    recipe = {
+        "engine": "deepspeed",
+        "recipe_args": {
+            "target_model_name_or_path": str(target), "train_data_path": "demo:conversations",
+            "train_split": "train[:10]", "cache_output_dir": str(out), "seq_length": 40,
+            "micro_batch_size": 2, "cache_shard_size": 4, "cache_dtype": cache_dtype,
+        },
+        "distributed": {"tp_size": tp_size, "ep_size": ep_size},
+        "capture": {"compute_dtype": compute_dtype},
+        "dist_env": {"timeout_minutes": 3},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tiny_target, tmp_path_factory) -> Path:
+    """Every (target, mode, layout) cache plus its routes, in three launches: single, world 2, world 4."""
+    ensure_shm_op_built()
+    root = tmp_path_factory.mktemp("layouts")
+    targets = {model_type: tiny_target(model_type, **TARGET_OVERRIDES) for model_type in MODEL_TYPES}
+    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for model_type, target in targets.items():
+        for mode in MODES:
+            for layout, (world, tp_size, ep_size) in {"single": (1, 1, 1), **LAYOUTS}.items():
+                name = f"{model_type}-{mode}-{layout}"
+                cfg = _recipe(root / f"{name}.yaml", target, root / name / "cache", mode, tp_size, ep_size)
+                by_world[world].append({"name": name, "config": str(cfg)})
+    for world, specs in by_world.items():
+        specs_path = root / f"specs_w{world}.json"
+        specs_path.write_text(json.dumps(specs))
+        kind = "single" if world == 1 else "torchrun"
+        result = run_launcher(kind, world, [str(HERE), "worker", str(specs_path), str(root)], None, 420)
+        assert result.returncode == 0, result.stdout[-8000:]
+        assert result.leftover_shm == [], result.leftover_shm
+    return root
+
+
+# --------------------------------------------------------------------------- comparison helpers
+
+
+def _shards(cache: Path) -> list[dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return [load_file(path) for path in sorted(cache.glob("shard-*.safetensors"))]
+
+
+def _layers(shard: dict[str, torch.Tensor], manifest: dict) -> dict[str, torch.Tensor]:
+    """Captured features by layer id (``target_hidden_states`` split per layer) plus ``last``."""
+    hidden, size = shard["target_hidden_states"].float(), manifest["hidden_size"]
+    features = {f"layer{layer_id}": hidden[..., i * size:(i + 1) * size]
+                for i, layer_id in enumerate(manifest["target_layer_ids"])}
+    return {**features, "last": shard["target_last_hidden_states"].float()}
+
+
+def _routes(run_dir: Path) -> dict[str, dict]:
+    """input_ids digest -> {"mask": [B, L] bool, "routes": {layer: [B, L, k]}} over every rank of one run."""
+    found: dict[str, dict] = {}
+    for path in sorted(run_dir.glob("routes.rank*.pt")):
+        for record in torch.load(path):
+            ids = record["input_ids"]
+            key = hashlib.sha256(repr(tuple(ids.shape)).encode() + ids.numpy().tobytes()).hexdigest()
+            batch, length = ids.shape
+            routes = {layer: r.reshape(batch, length, -1) for layer, r in record["routes"].items()}
+            found.setdefault(key, {"mask": record["attention_mask"].bool(), "routes": routes})
+    return found
+
+
+def _compare_routes(got: Path, want: Path) -> dict:
+    """Per MoE layer: content tokens routed, and those whose top-k expert set differs."""
+    got_routes, want_routes = _routes(got), _routes(want)
+    assert set(want_routes) <= set(got_routes), "a reference micro-batch was never forwarded by the layout"
+    per_layer: dict[int, dict] = {}
+    flips = []
+    for key, ref in want_routes.items():
+        mask = ref["mask"]
+        for layer, indices in ref["routes"].items():
+            differ = (got_routes[key]["routes"][layer] != indices).any(dim=-1) & mask
+            stats = per_layer.setdefault(layer, {"tokens": 0, "flipped": 0})
+            stats["tokens"] += int(mask.sum())
+            stats["flipped"] += int(differ.sum())
+            flips += [(key, layer, int(row), int(pos)) for row, pos in differ.nonzero().tolist()]
+    return {"per_layer": per_layer, "flips": flips}
+
+
+def _compare_caches(got: Path, want: Path) -> dict:
+    """Exact integer and weight checks, and per layer max|a-b| / max(1, max|a|)."""
+    from safetensors.torch import load_file
+
+    manifest = json.loads((want / "manifest.json").read_text())
+    got_manifest = json.loads((got / "manifest.json").read_text())
+    from ds_capture.cache.format import IDENTITY_FIELDS
+
+    identity = {k: manifest[k] for k in IDENTITY_FIELDS}
+    assert {k: got_manifest.get(k) for k in identity} == identity
+    assert got_manifest["complete"] is True
+    weights_a, weights_b = load_file(got / "target_weights.safetensors"), load_file(want / "target_weights.safetensors")
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_b)
+    shards_a, shards_b = _shards(got), _shards(want)
+    assert len(shards_a) == len(shards_b) == -(-manifest["num_samples"] // manifest["shard_size"])
+    per_layer: dict[str, dict] = {}
+    for shard_a, shard_b in zip(shards_a, shards_b):
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(shard_a[key], shard_b[key]), key
+        layers_a, layers_b = _layers(shard_a, manifest), _layers(shard_b, manifest)
+        for name in layers_b:
+            a, b = layers_a[name], layers_b[name]
+            diff = (a - b).abs()
+            stats = per_layer.setdefault(name, {"max_abs": 0.0, "max_ref": 0.0, "mismatched": 0, "numel": 0})
+            stats["max_abs"] = max(stats["max_abs"], float(diff.max()))
+            stats["max_ref"] = max(stats["max_ref"], float(b.abs().max()))
+            stats["mismatched"] += int((diff != 0).sum())
+            stats["numel"] += diff.numel()
+    for stats in per_layer.values():
+        stats["scaled"] = stats["max_abs"] / max(1.0, stats["max_ref"])
+    return per_layer
+
+
+MEASURED: dict[str, dict] = {}
+
+
+def _case(layout_runs: Path, model_type: str, mode: str, layout: str) -> tuple[dict, dict]:
+    got, want = layout_runs / f"{model_type}-{mode}-{layout}", layout_runs / f"{model_type}-{mode}-single"
+    cache = _compare_caches(got / "cache", want / "cache")
+    routes = _compare_routes(got, want)
+    MEASURED[f"{model_type} {mode} {layout}"] = {
+        "max_scaled_diff": max(s["scaled"] for s in cache.values()),
+        "max_abs_diff": max(s["max_abs"] for s in cache.values()),
+        "per_layer_scaled": {k: s["scaled"] for k, s in cache.items()},
+        "mismatched_elements": sum(s["mismatched"] for s in cache.values()),
+        "routed_tokens": sum(s["tokens"] for s in routes["per_layer"].values()),
+        "flipped_by_layer": {layer: s["flipped"] for layer, s in routes["per_layer"].items() if s["flipped"]},
+    }
+    return cache, routes
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fp32_cache_equals_single_process(layout_runs, model_type, layout):
+    cache, routes = _case(layout_runs, model_type, "fp32", layout)
+    for name, stats in cache.items():
+        assert stats["scaled"] <= FP32_RTOL, (name, stats)
+    assert routes["per_layer"] and all(s["tokens"] > 0 for s in routes["per_layer"].values())
+    assert not routes["flips"], routes["per_layer"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_bf16_compute_same_experts_and_states(layout_runs, model_type, layout):
+    cache, routes = _case(layout_runs, model_type, "bf16", layout)
+    tp_size = LAYOUTS[layout][1]
+    total = sum(s["tokens"] for s in routes["per_layer"].values())
+    assert total > 0
+    if tp_size == 1:
+        # DP and EP run the model's own math on the same rows: bit-identical.
+        assert not routes["flips"], routes["per_layer"]
+        assert all(s["max_abs"] == 0.0 for s in cache.values()), cache
+        return
+    assert len(routes["flips"]) <= MAX_FLIP_FRACTION * total, routes["per_layer"]
+    if not routes["flips"]:
+        for name, stats in cache.items():
+            assert stats["scaled"] <= TP_BF16_ULPS * BF16_ULP, (name, stats)
+    else:
+        # A flipped token changes its own row from that layer on (and later rows through attention):
+        # only layers before the first flip are held to the ulp bound.
+        first_flip = min(layer for _key, layer, _row, _pos in routes["flips"])
+        manifest = json.loads((layout_runs / f"{model_type}-bf16-single" / "cache" / "manifest.json").read_text())
+        for layer_id in manifest["target_layer_ids"]:
+            if layer_id < first_flip:
+                stats = cache[f"layer{layer_id}"]
+                assert stats["scaled"] <= TP_BF16_ULPS * BF16_ULP, (layer_id, stats)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_bf16_cache_with_fp32_compute_is_identical(layout_runs, model_type, layout):
+    cache, routes = _case(layout_runs, model_type, "bf16auto", layout)
+    assert not routes["flips"], routes["per_layer"]
+    for name, stats in cache.items():
+        assert stats["scaled"] <= BF16_ULP, (name, stats)
+        assert stats["mismatched"] <= 1e-3 * stats["numel"], (name, stats)
+
+
+def test_print_measured_figures(layout_runs):
+    """Prints every measured figure as JSON (the parametrized tests above fill MEASURED)."""
+    print("\nLAYOUT_FIGURES " + json.dumps(MEASURED, sort_keys=True))
