@@ -55,10 +55,19 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class InjectedFailure(RuntimeError):
+    """What ``<point>:<k>:<ranks>:raise`` raises instead of SIGKILL (a rank failing with an exception)."""
+
+
 def install_kill(spec: str) -> None:
-    """Patch ds_capture so this process SIGKILLs itself at ``<point>:<k>:<ranks>`` (see module docstring)."""
-    point, k, ranks = spec.split(":")
+    """Patch ds_capture so this process SIGKILLs itself at ``<point>:<k>:<ranks>`` (see module docstring);
+    with a fourth field ``raise`` it raises :class:`InjectedFailure` there instead."""
+    point, k, ranks, *action = spec.split(":")
     k = int(k)
+    fail = _die
+    if action == ["raise"]:
+        def fail() -> None:
+            raise InjectedFailure(f"injected failure at {point} #{k} on rank {_this_rank()}")
     if point not in POINTS:
         raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
     if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
@@ -78,7 +87,7 @@ def install_kill(spec: str) -> None:
         def build_and_arm(*args, **kwargs):
             model = build_model(*args, **kwargs)
             layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-            layers[min(1, len(layers) - 1)].register_forward_pre_hook(lambda *_: _die() if hit() else None)
+            layers[min(1, len(layers) - 1)].register_forward_pre_hook(lambda *_: fail() if hit() else None)
             return model
 
         runner.build_model = build_and_arm
@@ -89,7 +98,7 @@ def install_kill(spec: str) -> None:
             save_file(tensors, path, *args, **kwargs)
             if Path(path).name.startswith("shard-") and hit():
                 os.truncate(path, os.path.getsize(path) // 2)
-                _die()
+                fail()
 
         writer.save_file = save_half
     elif point == "sidecar":
@@ -97,7 +106,7 @@ def install_kill(spec: str) -> None:
 
         def atomic_or_die(path, write):
             if Path(path).parent.name == "checksums" and hit():
-                _die()
+                fail()
             write_atomic(path, write)
 
         writer.write_atomic = atomic_or_die
@@ -106,10 +115,10 @@ def install_kill(spec: str) -> None:
 
         def manifest_or_die(out_dir, manifest):
             if manifest.complete and point == "flip":
-                _die()
+                fail()
             write_manifest(out_dir, manifest)
             if manifest.complete and point == "after_flip":
-                _die()
+                fail()
 
         runner.write_manifest = manifest_or_die
 
@@ -166,6 +175,95 @@ def wait_and_reap(proc: subprocess.Popen, port: int, timeout_s: float) -> int:
     for path in shm_buffers(port):
         Path(path).unlink(missing_ok=True)
     return code
+
+
+# ---------------------------------------------------------------------------------------------- forked ranks
+
+
+def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
+                     timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
+                     cli_argv: list[str] | None = None) -> dict:
+    """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
+    environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
+
+    Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``) after ``install_kill(kill)``;
+    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. Returns
+    ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
+    is its terminating signal (0 if it exited) and ``summary`` is rank 0's ``RunSummary`` fields.
+    """
+    import json
+
+    from tests.distributed.launchers import free_port, shm_buffers
+
+    port = free_port()
+    summary_path = Path(log_path).with_suffix(".summary.json")
+    summary_path.unlink(missing_ok=True)
+    pids = []
+    started = time.monotonic()
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # the child never returns into the caller (pytest)
+            code = 1
+            try:
+                log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(log_fd, 1)
+                os.dup2(log_fd, 2)
+                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                                  LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                if kill:
+                    install_kill(kill)
+                if cli_argv is not None:
+                    from ds_capture.cli import main
+
+                    code = main(cli_argv)
+                else:
+                    from dataclasses import asdict
+
+                    from ds_capture.config import load_config
+                    from ds_capture.runner import run_capture
+
+                    summary = run_capture(load_config(cfg_path), show_progress=False)
+                    if rank == 0:
+                        summary_path.write_text(json.dumps(asdict(summary)))
+                    code = 0
+            except BaseException as error:  # noqa: BLE001 - report, then leave with a failure code
+                print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    status: dict[int, int] = {}
+    deadline = started + timeout_s
+    killed_by_parent = False
+    while len(status) < world_size and time.monotonic() < deadline:
+        if kill_when_cond is not None and not killed_by_parent and kill_when_cond():
+            for pid in pids:
+                if pid not in status:
+                    os.kill(pid, signal.SIGKILL)
+            killed_by_parent = True
+        for pid in pids:
+            if pid not in status:
+                done, value = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[pid] = value
+        time.sleep(0.005)
+    seconds = time.monotonic() - started
+    for pid in pids:
+        if pid not in status:  # a hung rank: the test fails on its signal 9 and timeout
+            os.kill(pid, signal.SIGKILL)
+            status[pid] = os.waitpid(pid, 0)[1]
+    for path in shm_buffers(port):
+        Path(path).unlink(missing_ok=True)
+    values = [status[pid] for pid in pids]
+    return {
+        "signals": [os.WTERMSIG(v) if os.WIFSIGNALED(v) else 0 for v in values],
+        "codes": [os.WEXITSTATUS(v) if os.WIFEXITED(v) else None for v in values],
+        "seconds": seconds,
+        "timed_out": seconds >= timeout_s,
+        "killed_by_parent": killed_by_parent,
+        "summary": json.loads(summary_path.read_text()) if summary_path.is_file() else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- what is on disk
