@@ -104,10 +104,11 @@ FAMILIES: dict[str, Family] = {
         # DeepSeek-V3 and Kimi-K2 (a deepseek_v3 checkpoint with more experts).
         Family(model_type="deepseek_v3", moe_block="mlp", num_experts_key="n_routed_experts"),
         # Hyper-connection layers emit [B, S, hc, H]; hash-routed first layers read input_ids, which the
-        # model itself threads to every layer. transformers 5.24 saves the lm_head as `head.weight`.
+        # model itself threads to every layer. Keys as DeepSeek's release stores them (`embed.weight`,
+        # `head.weight`, `layers.N.attn...`, no `model.` prefix); transformers' conversion mapping renames them.
         Family(
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
-            lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
+            embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4"),
         ),

@@ -187,13 +187,20 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str]) -> _KeyMap:
     unexpected = []
     for key in sorted(keys, key=dot_natural_key):
         renamed = apply_renamings(key, renamings)
+        matched = None
         for converter in converters:
             converted, pattern = converter.rename_source_key(renamed)
             if pattern is not None:
-                renamed = converted
-                converter_of[renamed] = converter
+                renamed, matched = converted, converter
                 pattern_of[key] = pattern
                 break
+        # Checkpoints saved from the base model (DeepSeek-V4's release: `layers.0...`, `norm.weight`) lack the
+        # CausalLM's `model.` prefix; from_pretrained adds it (or strips it) the same way.
+        prefixed = f"{model.base_model_prefix}.{renamed}"
+        if renamed not in model_names and prefixed in model_names:
+            renamed = prefixed
+        if matched is not None:
+            converter_of[renamed] = matched
         if renamed in model_names:
             sources[renamed].append(key)
         else:

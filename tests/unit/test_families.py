@@ -45,6 +45,30 @@ def randomize_hash_routes(target: Path, seed: int = 0) -> None:
             save_file(tensors, file, metadata={"format": "pt"})
 
 
+def to_release_layout(target: Path) -> None:
+    """Rename a DeepSeek-V4 checkpoint saved by transformers 5.24 to DeepSeek's release layout.
+
+    transformers saves ``model.norm.weight``, which its own conversion mapping then renames to
+    ``model.kv_norm.weight`` (its ``.norm.`` -> ``.kv_norm.`` rule is meant for the compressor), so such a
+    checkpoint does not reload exactly; the release stores base-model keys without the ``model.`` prefix.
+    """
+    renames = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+               "hc_head.hc_scale": "hc_head_scale"}
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if json.loads((target / "config.json").read_text())["model_type"] != "deepseek_v4":
+        return
+    for file in sorted(target.glob("*.safetensors")):
+        tensors = {}
+        for key, tensor in load_file(file).items():
+            bare = key.removeprefix("model.")
+            tensors[renames.get(bare, bare)] = tensor
+        save_file(tensors, file, metadata={"format": "pt"})
+    index["weight_map"] = {renames.get(k.removeprefix("model."), k.removeprefix("model.")): v
+                           for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 @pytest.fixture(scope="module")
 def family_target(tmp_path_factory):
     """``family_target(model_type) -> checkpoint dir`` (DeepSeek-V4: hash routes randomised), built once."""
@@ -57,6 +81,7 @@ def family_target(tmp_path_factory):
         if model_type not in built:
             built[model_type] = build_tiny_target(root / model_type, model_type, seed=0)
             randomize_hash_routes(built[model_type])
+            to_release_layout(built[model_type])
         return built[model_type]
 
     return make

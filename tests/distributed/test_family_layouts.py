@@ -1,0 +1,152 @@
+"""Per family, every supported distributed layout writes the same cache as one process; refusals come first.
+
+Each case runs the real CLI (``python -m ds_capture run -c recipe.yaml``) on real gloo ranks through torchrun,
+on a tiny random-init target (``ds_capture.demo.TINY_CONFIGS``, sharded safetensors; DeepSeek-V4's hash routes
+randomised), 8 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``, fp32, and compares it with the single-process cache:
+``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``.
+
+Every outcome (equal with its max diff, or the refusal text) is recorded in
+``benchmarks/results/support_matrix.json``, which ``tools/support_matrix.py`` turns into the README table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launchers import REPO_ROOT, run_launcher  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
+from test_families import randomize_hash_routes, to_release_layout  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "support_matrix.json"
+LAYER_IDS = [-1, 0, 1, 2, 3]
+
+# (model_type, layout name, nproc, tp_size, ep_size): the supported layouts checked for equality.
+# Layout names: dp (2 DP ranks), tp (TP=2), ep (EP=2, 2 DP ranks), tp_x_ep (TP=2 x EP=2 on 4 ranks).
+EQUAL_CASES = [
+    ("deepseek_v4", "ep", 2, 1, 2),
+    ("deepseek_v4", "dp", 2, 1, 1),
+    ("glm_moe_dsa", "ep", 2, 1, 2),
+    ("gemma4", "dp", 2, 1, 1),
+    ("mixtral", "ep", 2, 1, 2),
+    ("mixtral", "tp", 2, 2, 1),
+    ("mixtral", "tp_x_ep", 4, 2, 2),
+    ("qwen3", "tp", 2, 2, 1),
+]
+# Refused before any weight loads: (model_type, layout, nproc, tp_size, ep_size, exact message).
+REFUSED_CASES = [
+    ("glm_moe_dsa", "tp", 2, 2, 1,
+     "tp_size 2: DeepSpeed AutoTP mis-shards the DSA indexer (self_attn.indexer.wk) of model_type 'glm_moe_dsa' "
+     "(the sharded forward dies with shape errors), so this family has no tensor-parallel layout. Keep tp_size 1 "
+     "and shard the routed experts with ep_size instead (data parallel x expert parallel)."),
+]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    from ds_capture.demo import build_tiny_target
+
+    root = tmp_path_factory.mktemp("layout_targets")
+    built: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = build_tiny_target(root / model_type, model_type, seed=0)
+            randomize_hash_routes(built[model_type])
+            to_release_layout(built[model_type])
+        return built[model_type]
+
+    return make
+
+
+def _recipe(target: Path, out: Path, tp_size: int, ep_size: int) -> Path:
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "distributed": {"tp_size": tp_size, "ep_size": ep_size},
+        "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
+                            train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
+                            cache_shard_size=2, cache_dtype="fp32", target_layer_ids=LAYER_IDS)}))
+    return recipe
+
+
+def _run(nproc: int, recipe: Path):
+    kind = "single" if nproc == 1 else "torchrun"
+    return run_launcher(kind, nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], None, 170)
+
+
+@pytest.fixture(scope="module")
+def single_caches(targets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("single_caches")
+    made: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            out = root / model_type
+            result = _run(1, _recipe(targets(model_type), out, 1, 1))
+            assert result.returncode == 0, result.stdout[-4000:]
+            made[model_type] = out
+        return made[model_type]
+
+    return make
+
+
+def _max_rel_diff(a_dir: Path, b_dir: Path) -> float:
+    """Max over shards and keys of ``max|a-b| / max(1, max|a|)``; integer tensors must be identical."""
+    names = sorted(p.name for p in a_dir.glob("shard-*.safetensors"))
+    assert names == sorted(p.name for p in b_dir.glob("shard-*.safetensors")) and names
+    worst = 0.0
+    for name in names:
+        a, b = load_file(a_dir / name), load_file(b_dir / name)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("target_hidden_states", "target_last_hidden_states"):
+            worst = max(worst, (a[key] - b[key]).abs().max().item() / max(1.0, a[key].abs().max().item()))
+    return worst
+
+
+def _record(model_type: str, layout: str, entry: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    data.setdefault(model_type, {})[layout] = entry
+    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_type, layout, nproc, tp_size, ep_size", EQUAL_CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in EQUAL_CASES])
+def test_layout_equals_single_process(targets, single_caches, tmp_path, model_type, layout, nproc, tp_size, ep_size):
+    reference = single_caches(model_type)
+    _record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
+    out = tmp_path / "cache"
+    result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size))
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert (manifest["tp_size"] if "tp_size" in manifest else manifest["producer"]["tp_size"]) == tp_size
+    diff = _max_rel_diff(reference, out)
+    _record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
+                                 "nproc": nproc, "tp_size": tp_size, "ep_size": ep_size})
+    assert diff <= 1e-5, (model_type, layout, diff)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("model_type, layout, nproc, tp_size, ep_size, message", REFUSED_CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in REFUSED_CASES])
+def test_unsupported_layout_is_refused_before_loading(targets, tmp_path, model_type, layout, nproc, tp_size,
+                                                      ep_size, message):
+    out = tmp_path / "cache"
+    result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size))
+    assert result.returncode == 2, result.stdout[-4000:]
+    assert message in result.stdout, result.stdout[-4000:]
+    assert "Loading weights" not in result.stdout and not out.exists()
+    _record(model_type, layout, {"status": "refused", "reason": message})
