@@ -97,10 +97,10 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
                                   source=cfg.source)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
+    _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
     plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)
-    _check_family_layout(target, plan)
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
@@ -116,12 +116,12 @@ def resolve_compute_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_family_layout(target: TargetInfo, plan: ParallelPlan) -> None:
+def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None:
     family = target.family
-    if plan.tp_size > 1 and not family.supports_tp:
-        raise CaptureError(f"tp_size {plan.tp_size}: {family.tp_refusal}")
-    if plan.ep_size > 1 and not family.supports_ep:
-        raise CaptureError(f"ep_size {plan.ep_size}: {family.ep_refusal}")
+    if tp_size > 1 and not family.supports_tp:
+        raise CaptureError(f"tp_size {tp_size}: {family.tp_refusal}")
+    if ep_size > 1 and not family.supports_ep:
+        raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
 
 
 def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, *,
