@@ -208,8 +208,13 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
                 log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 os.dup2(log_fd, 1)
                 os.dup2(log_fd, 2)
-                os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                                  LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                import faulthandler
+
+                # A rank that hangs says where before the parent kills it.
+                faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
+                if world_size > 1:  # one rank: a plain process, as the ``single`` launcher runs it
+                    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                                      LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 if kill:
                     install_kill(kill)
                 if cli_argv is not None:

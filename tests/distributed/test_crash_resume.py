@@ -84,6 +84,11 @@ def setup(tiny_target, tmp_path_factory) -> dict:
     # forked after that import, ranks hang before their first output.
     import deepspeed  # noqa: F401
     import ds_capture.runner  # noqa: F401
+    from tests.distributed.launchers import ensure_shm_op_built
+
+    # Build DeepSpeed's shm op outside any killed run: a rank killed inside torch's build lock
+    # would leave the lock behind and every later run (anyone's) would wait on it forever.
+    ensure_shm_op_built()
 
     root = tmp_path_factory.mktemp("crash")
     target = tiny_target("qwen3_moe", seed=0)
@@ -114,7 +119,7 @@ def assert_no_partial_final_shard(out: Path) -> None:
                                              "target_last_hidden_states"], name
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)  # the first one also builds the reference
 @pytest.mark.parametrize("kill", [spec for _, spec in POINTS], ids=[name for name, _ in POINTS])
 def test_killed_2rank_run_resumes_byte_identical(setup, tmp_path: Path, kill: str) -> None:
     out = tmp_path / "cache"
