@@ -32,6 +32,7 @@ The measured figures are printed by ``test_print_measured_figures`` (run with ``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -110,10 +111,11 @@ def _worker(specs_path: str, out_root: str) -> None:
             # still there): each run gets its own TCP store, rank 0 hosting it on the next port.
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        runner.run_capture(load_config(spec["config"], []), show_progress=False)
+        summary = runner.run_capture(load_config(spec["config"], []), show_progress=False)
         out = Path(out_root) / spec["name"]
         out.mkdir(parents=True, exist_ok=True)
         torch.save(records, out / f"routes.rank{rank}.pt")
+        (out / f"summary.rank{rank}.json").write_text(json.dumps(dataclasses.asdict(summary)))
 
 
 if __name__ == "__main__":

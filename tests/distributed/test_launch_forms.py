@@ -1,0 +1,87 @@
+"""The same job through every launcher users use gives byte-identical caches.
+
+One recipe (tiny Qwen3-MoE, fp32, 8 samples in 4 shards of 2, ``distributed.ep_size: 2`` so every forward
+does the expert all-to-all between the two ranks) is run as ``python -m ds_capture run -c CFG`` under:
+
+  torchrun           ``torchrun --nproc_per_node 2`` (the reference)
+  deepspeed_hostfile ``deepspeed --hostfile H`` with ``localhost slots=2``
+  deepspeed_two_nodes two ``deepspeed --no_ssh --num_nodes 2 --node_rank {0,1}`` launchers (LOCAL_SIZE 1)
+  deepspeed_module   ``deepspeed --num_accelerators 2 --module ds_capture run -c CFG``
+  mpirun             ``mpirun -np 2 python -m ds_capture run -c CFG`` (OpenMPI discovery)
+
+Every shard file and ``target_weights.safetensors`` must have the same sha256 as torchrun's; the manifests
+must agree on every identity field and differ, if at all, only in bookkeeping. EP is exact by
+construction (no reassociated sums), so bytes, not tolerances, are the right check; TP would route the
+all-reduce through DeepSpeed's shm op on one host and through gloo across "nodes", which is ulp-close,
+not byte-equal (tests/distributed/test_layouts.py covers TP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launchers import ensure_shm_op_built, have_mpirun, run_launcher  # noqa: E402
+
+from ds_capture.cache.format import IDENTITY_FIELDS  # noqa: E402
+from ds_capture.cache.reader import verify_cache  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _recipe(path: Path, target: Path, out: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "recipe_args": {"target_model_name_or_path": str(target), "train_data_path": "demo:conversations",
+                        "train_split": "train[:8]", "cache_output_dir": str(out), "seq_length": 32,
+                        "micro_batch_size": 2, "cache_shard_size": 2, "cache_dtype": "fp32"},
+        "distributed": {"ep_size": 2},
+        "dist_env": {"timeout_minutes": 2},
+    }))
+    return path
+
+
+def _launch(kind: str, root: Path, target: Path) -> Path:
+    out = root / kind / "cache"
+    cfg = _recipe(root / f"{kind}.yaml", target, out)
+    result = run_launcher(kind, 2, ["-m", "ds_capture", "run", "-c", str(cfg), "--no-progress"], None, 240)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.leftover_shm == [], result.leftover_shm
+    assert "4 shards written" in result.stdout, result.stdout[-3000:]
+    return out
+
+
+def _digests(cache: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def forms(tiny_target, tmp_path_factory) -> dict:
+    ensure_shm_op_built()
+    root = tmp_path_factory.mktemp("launch_forms")
+    target = tiny_target("qwen3_moe", num_hidden_layers=2)
+    return {"root": root, "target": target, "reference": _launch("torchrun", root, target)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["deepspeed_hostfile", "deepspeed_two_nodes", "deepspeed_module", "mpirun"])
+def test_launcher_gives_byte_identical_cache(forms, kind):
+    if kind == "mpirun" and not have_mpirun():
+        pytest.skip("mpirun / mpi4py not installed")
+    reference = forms["reference"]
+    cache = _launch(kind, forms["root"], forms["target"])
+    assert verify_cache(cache).ok
+    want = _digests(reference)
+    assert len(want) == 1 + 4  # target weights + 4 shards
+    assert _digests(cache) == want
+    got_manifest = json.loads((cache / "manifest.json").read_text())
+    want_manifest = json.loads((reference / "manifest.json").read_text())
+    assert {k: got_manifest[k] for k in IDENTITY_FIELDS} == {k: want_manifest[k] for k in IDENTITY_FIELDS}
+    differing = {k for k in set(got_manifest) | set(want_manifest) if got_manifest.get(k) != want_manifest.get(k)}
+    assert differing <= {"producer", "inputs"} and not differing & set(IDENTITY_FIELDS), differing
+    assert got_manifest["complete"] is True and got_manifest["producer"]["ep_size"] == 2
