@@ -3,7 +3,7 @@
 In: the output directory, the process group's store, the dataset/tokenizer paths. Out:
 - :class:`OutputLock`: ``.ds_capture/lock`` created with O_EXCL by rank 0 (host, pid, start time,
   refreshed as a heartbeat). A second job is refused; a lock left by a dead job (same host: its pid is
-  gone; other host: heartbeat older than ``STALE_AFTER_S``) is reclaimed with a message saying so.
+  gone; any host: heartbeat older than ``STALE_AFTER_S``) is reclaimed with a message saying so.
 - :class:`FailFast`: a rank that fails publishes its error in the c10d store; a watchdog thread on
   every rank polls the store and ends the process within ``POLL_S`` seconds with the root cause, so
   a dead peer costs seconds, not the collective timeout. The failing rank prints the cause once.
@@ -13,6 +13,7 @@ In: the output directory, the process group's store, the dataset/tokenizer paths
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -21,6 +22,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ds_capture.cache.format import BOOKKEEPING_DIR
@@ -30,6 +33,7 @@ _LOG = logging.getLogger("ds_capture")
 
 LOCK_NAME = "lock"
 STALE_AFTER_S = 600.0
+STARTING_GRACE_S = 60.0
 HEARTBEAT_S = 30.0
 POLL_S = 1.0
 _ABORT_KEY = "ds_capture/abort"
@@ -46,6 +50,7 @@ class OutputLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._stop.clear()  # the same lock may be taken again after a release
         for _attempt in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -81,23 +86,52 @@ class OutputLock:
                 return
 
     def _reclaim_if_stale(self) -> None:
+        """Remove the lock if its job is dead; raise CaptureError naming the job if it is alive.
+
+        Check and removal happen under an flock of ``lock.reclaim``: two jobs that both found the same
+        stale lock must not both remove "it" (the second would remove the first one's new, live lock).
+        """
+        with _flocked(self.path.with_name(self.path.name + ".reclaim")):
+            try:
+                text = self.path.read_text()
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return  # released meanwhile: O_EXCL decides who takes it next
+            try:
+                holder = json.loads(text)
+            except json.JSONDecodeError:
+                if age < STARTING_GRACE_S:  # created, its record not yet written: a job is starting
+                    raise CaptureError(f"could not take the lock {self.path}; another job is starting in the "
+                                       "same directory.") from None
+                holder = {}  # a torn record left by a job killed while starting
+            same_host = holder.get("host") == socket.gethostname()
+            # A live job refreshes the lock every HEARTBEAT_S: an old heartbeat means a dead job, even
+            # where its pid has been reused by another process since.
+            alive = age < STALE_AFTER_S and (_pid_alive(holder.get("pid")) if same_host else bool(holder))
+            if alive:
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+                raise CaptureError(
+                    f"{self.path.parent.parent} is in use by another ds_capture job (host {holder.get('host')}, "
+                    f"pid {holder.get('pid')}, started {started}). Wait for it to finish, or use another "
+                    f"cache_output_dir. If that job is dead on another host, delete {self.path}."
+                )
+            _LOG.warning("reclaiming a stale lock %s left by a dead job (host %s, pid %s, last heartbeat %.0f s ago)",
+                         self.path, holder.get("host"), holder.get("pid"), age)
+            self.path.unlink(missing_ok=True)
+
+
+@contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path`` (created if missing); a filesystem without flock gets none."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
         try:
-            holder = json.loads(self.path.read_text())
-            age = time.time() - self.path.stat().st_mtime
-        except (FileNotFoundError, json.JSONDecodeError, OSError):
-            holder, age = {}, STALE_AFTER_S + 1  # a torn or vanished lock file is not a live job
-        same_host = holder.get("host") == socket.gethostname()
-        alive = _pid_alive(holder.get("pid")) if same_host else age < STALE_AFTER_S
-        if alive:
-            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-            raise CaptureError(
-                f"{self.path.parent.parent} is in use by another ds_capture job (host {holder.get('host')}, "
-                f"pid {holder.get('pid')}, started {started}). Wait for it to finish, or use another "
-                f"cache_output_dir. If that job is dead on another host, delete {self.path}."
-            )
-        _LOG.warning("reclaiming a stale lock %s left by a dead job (host %s, pid %s)",
-                     self.path, holder.get("host"), holder.get("pid"))
-        self.path.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # e.g. a shared filesystem mounted without lock support
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
 
 
 def _pid_alive(pid) -> bool:

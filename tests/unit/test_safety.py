@@ -163,9 +163,64 @@ def test_a_torn_lock_file_is_not_a_live_job(tmp_path):
     path = tmp_path / ".ds_capture" / "lock"
     path.parent.mkdir(parents=True)
     path.write_text('{"host": ')
+    old = time.time() - safety.STARTING_GRACE_S - 1  # left by a job killed while it was starting
+    os.utime(path, (old, old))
     with OutputLock(tmp_path):
         assert json.loads(path.read_text())["pid"] == os.getpid()
     assert not path.exists()
+
+
+def test_a_live_pid_with_an_old_heartbeat_is_a_reused_pid(tmp_path, caplog):
+    """Our own pid is alive, but a live job would have refreshed its lock: the pid was reused."""
+    path = write_lock(tmp_path, pid=os.getpid())
+    old = time.time() - safety.STALE_AFTER_S - 60
+    os.utime(path, (old, old))
+    with caplog.at_level(logging.WARNING, logger="ds_capture"), OutputLock(tmp_path):
+        assert any("reclaiming a stale lock" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lock_still_being_written_is_a_job_starting(tmp_path):
+    path = tmp_path / ".ds_capture" / "lock"
+    path.parent.mkdir(parents=True)
+    path.write_text("")  # created with O_EXCL a moment ago, record not yet written
+    with pytest.raises(CaptureError, match="another job is starting"):
+        OutputLock(tmp_path).acquire()
+    assert path.exists()
+
+
+def _race_for_a_stale_lock(out: str, barrier, wins) -> None:
+    lock = OutputLock(Path(out))
+    barrier.wait()
+    try:
+        lock.acquire()
+    except CaptureError:
+        return
+    wins.put(os.getpid())
+    time.sleep(1.0)  # hold it while the other job decides
+    lock.release()
+
+
+def test_two_jobs_reclaiming_one_stale_lock_do_not_both_win(tmp_path, monkeypatch):
+    """Both find the same dead job's lock; without serialising check and unlink, the slower one
+    removes the faster one's new lock and both run. The staleness check is slowed to open the window."""
+    import multiprocessing
+
+    real_pid_alive = safety._pid_alive
+    monkeypatch.setattr(safety, "_pid_alive", lambda pid: time.sleep(0.3) or real_pid_alive(pid))
+    context = multiprocessing.get_context("fork")
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        write_lock(out, pid=dead_pid())
+        barrier, wins = context.Barrier(2), context.Queue()
+        procs = [context.Process(target=_race_for_a_stale_lock, args=(str(out), barrier, wins)) for _ in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=30)
+        winners = []
+        while not wins.empty():
+            winners.append(wins.get())
+        assert len(winners) == 1, f"attempt {attempt}: {len(winners)} jobs took the same directory"
 
 
 def test_the_heartbeat_refreshes_the_lock(tmp_path, monkeypatch):
