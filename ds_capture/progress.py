@@ -21,6 +21,13 @@ import torch
 from tqdm import tqdm
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for the default group's collectives (nccl: this rank's GPU)."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -52,7 +59,9 @@ class Progress:
             return
         reduced = self.local.clone()
         if torch.distributed.is_initialized():
+            reduced = reduced.to(collective_device())
             torch.distributed.all_reduce(reduced)  # collective: every rank, same steps
+            reduced = reduced.cpu()
         self.local.zero_()
         self.global_samples += int(reduced[0])
         self.global_tokens += int(reduced[1])

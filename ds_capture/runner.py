@@ -53,7 +53,7 @@ from ds_capture.engine import build_model
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
-from ds_capture.progress import Progress
+from ds_capture.progress import Progress, collective_device
 from ds_capture.safety import FailFast, OutputLock, input_fingerprints
 
 _LOG = logging.getLogger("ds_capture")
@@ -163,6 +163,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
                         attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
 
+    device = next(model.parameters()).device
     options = cfg.capture
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
@@ -184,6 +185,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
             input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             hooks.reset()
             # logits_to_keep=1: the cache needs no logits; [B, S, vocab] would dwarf the hidden states.
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
@@ -434,8 +436,9 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
 
     tensor = torch.tensor(values, dtype=torch.int64)
     if torch_dist.is_initialized():
+        tensor = tensor.to(collective_device())
         torch_dist.all_reduce(tensor)
-    return [int(v) for v in tensor]
+    return [int(v) for v in tensor.cpu()]
 
 
 @contextmanager

@@ -14,9 +14,11 @@ from ds_capture.families import TargetInfo
 
 
 def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The whole target on CPU in ``dtype``, ``eval()``, ``requires_grad_(False)``."""
+    """The whole target in ``dtype`` (on this rank's CUDA device when there is one), eval, frozen."""
     import transformers
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype, **kwargs)
+    if torch.cuda.is_available():
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     return model.eval().requires_grad_(False)

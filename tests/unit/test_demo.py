@@ -109,7 +109,9 @@ def test_template_renders_chatml_and_masks_assistant_bodies():
     assert mask[last_header_end - 1] == 0 and mask[last_header_end] == 1 and mask[-1] == 1
 
 
-@pytest.mark.parametrize("model_type", sorted(demo.TINY_CONFIGS))
+# Families whose layer outputs are plain [B, S, H] residual streams; the others (hyper-connections,
+# multimodal wrappers) are checked against HF by tests/unit/test_families.py.
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mixtral", "qwen3", "qwen3_moe"])
 def test_tiny_target_loads_and_runs(tmp_path, model_type):
     out = demo.build_tiny_target(tmp_path / model_type, model_type)
     assert out == tmp_path / model_type
@@ -189,8 +191,8 @@ def test_unknown_family_is_a_capture_error(tmp_path):
     with pytest.raises(CaptureError) as err:
         demo.build_tiny_target(tmp_path / "x", "llama9")
     assert str(err.value) == (
-        "no tiny config for model_type 'llama9': the known families are deepseek_v3, mixtral, qwen3, "
-        "qwen3_moe; add an entry to ds_capture.demo.TINY_CONFIGS."
+        f"no tiny config for model_type 'llama9': the known families are {', '.join(sorted(demo.TINY_CONFIGS))}; "
+        "add an entry to ds_capture.demo.TINY_CONFIGS."
     )
 
 
