@@ -19,9 +19,12 @@ Modes and what must hold against the single process (same mode):
   hidden states bit-identical and routes identical (EP runs the model's own expert math in its own
   order). With TP, each row-parallel layer rounds its partial sum to bf16 before the all-reduce, so the
   forward differs by bf16 ulps and a near-tie router choice may flip: the flipped tokens are counted and
-  reported (per layer), may be at most 5% of the routed tokens, and hidden states must sit within
-  ``32 * 2^-8 * max(1, max|a|)`` (32 bf16 ulps of the tensor's scale) on every layer up to and including
-  the first layer where a route flips in that row; rows are compared whole where nothing flipped.
+  reported per layer; in the first MoE layer (where every flip is first-order) at most 5% of the tokens
+  may flip. Hidden states, row by row, must sit within ``32 * 2^-8 * max(1, max|a|)`` (32 bf16 ulps of
+  the layer's scale) on every captured layer before the row's first flipped MoE layer; rows where
+  nothing flipped are compared on every layer. Measured (10 samples, 400 content tokens per MoE layer):
+  Qwen3-MoE TP=2 and TP=2 x EP=2: 1 / 3 / 4 tokens flipped in layers 0 / 1 / 2; DeepSeek-V3: 16 / 23 in
+  layers 1 / 2 (its first layer is dense); DP and EP-only: 0 flips, 0.0 difference.
 * ``bf16auto`` (cache bf16, compute auto = fp32 on CPU): all layouts compute in fp32, so the caches are
   identical after the cast to bf16 except where an fp32 ulp-level difference crosses a bf16 rounding
   boundary: at most one bf16 ulp (``2^-8 * max(1, max|a|)``) and at most 1% of the elements (measured:
@@ -199,7 +202,7 @@ def _routes(run_dir: Path) -> dict[str, dict]:
             key = hashlib.sha256(repr(tuple(ids.shape)).encode() + ids.numpy().tobytes()).hexdigest()
             batch, length = ids.shape
             routes = {layer: r.reshape(batch, length, -1) for layer, r in record["routes"].items()}
-            found.setdefault(key, {"mask": record["attention_mask"].bool(), "routes": routes})
+            found.setdefault(key, {"mask": record["attention_mask"].bool(), "routes": routes, "input_ids": ids})
     return found
 
 
@@ -217,7 +220,15 @@ def _compare_routes(got: Path, want: Path) -> dict:
             stats["tokens"] += int(mask.sum())
             stats["flipped"] += int(differ.sum())
             flips += [(key, layer, int(row), int(pos)) for row, pos in differ.nonzero().tolist()]
-    return {"per_layer": per_layer, "flips": flips}
+    # First-order flips: in the first MoE layer, or in a sequence with no flip in an earlier layer
+    # (a flipped token changes its row, and later rows through attention, from that layer on).
+    first_layer_of_row: dict[tuple, int] = {}
+    for key, layer, row, _pos in flips:
+        first_layer_of_row[(key, row)] = min(layer, first_layer_of_row.get((key, row), layer))
+    first_order = [f for f in flips if f[1] == first_layer_of_row[(f[0], f[2])]]
+    flipped_rows = {tuple(want_routes[key]["input_ids"][row].tolist()): layer
+                    for (key, row), layer in first_layer_of_row.items()}
+    return {"per_layer": per_layer, "flips": flips, "first_order": first_order, "flipped_rows": flipped_rows}
 
 
 def _compare_caches(got: Path, want: Path) -> dict:
@@ -298,19 +309,29 @@ def test_bf16_compute_same_experts_and_states(layout_runs, model_type, layout):
         assert not routes["flips"], routes["per_layer"]
         assert all(s["max_abs"] == 0.0 for s in cache.values()), cache
         return
-    assert len(routes["flips"]) <= MAX_FLIP_FRACTION * total, routes["per_layer"]
-    if not routes["flips"]:
-        for name, stats in cache.items():
-            assert stats["scaled"] <= TP_BF16_ULPS * BF16_ULP, (name, stats)
-    else:
-        # A flipped token changes its own row from that layer on (and later rows through attention):
-        # only layers before the first flip are held to the ulp bound.
-        first_flip = min(layer for _key, layer, _row, _pos in routes["flips"])
-        manifest = json.loads((layout_runs / f"{model_type}-bf16-single" / "cache" / "manifest.json").read_text())
-        for layer_id in manifest["target_layer_ids"]:
-            if layer_id < first_flip:
-                stats = cache[f"layer{layer_id}"]
-                assert stats["scaled"] <= TP_BF16_ULPS * BF16_ULP, (layer_id, stats)
+    first_moe_layer = min(routes["per_layer"])
+    first = routes["per_layer"][first_moe_layer]
+    assert first["flipped"] <= MAX_FLIP_FRACTION * first["tokens"], routes["per_layer"]
+    # Row by row: every captured layer before the row's first flipped MoE layer within 32 bf16 ulps of
+    # the layer's scale; rows with no flip at all on every layer (the post-norm state included).
+    manifest = json.loads((layout_runs / f"{model_type}-bf16-single" / "cache" / "manifest.json").read_text())
+    got_shards = _shards(layout_runs / f"{model_type}-bf16-{layout}" / "cache")
+    want_shards = _shards(layout_runs / f"{model_type}-bf16-single" / "cache")
+    checked_rows = 0
+    for shard_a, shard_b in zip(got_shards, want_shards):
+        layers_a, layers_b = _layers(shard_a, manifest), _layers(shard_b, manifest)
+        for row, ids in enumerate(shard_b["input_ids"]):
+            first_flip = min((layer for prefix, layer in routes["flipped_rows"].items()
+                              if tuple(ids[:len(prefix)].tolist()) == prefix), default=None)
+            for name in layers_b:
+                layer_id = manifest["num_hidden_layers"] - 1 if name == "last" else int(name[5:])
+                if first_flip is not None and layer_id >= first_flip:
+                    continue
+                a, b = layers_a[name][row], layers_b[name][row]
+                bound = TP_BF16_ULPS * BF16_ULP * max(1.0, float(layers_b[name].abs().max()))
+                assert float((a - b).abs().max()) <= bound, (name, row, first_flip)
+                checked_rows += 1
+    assert checked_rows > 0
 
 
 @pytest.mark.timeout(600)
