@@ -115,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_capture.demo import demo_data_path, ensure_demo_target
 
     if args.world_size > 1:
-        import deepspeed  # noqa: F401
-
-        from tests.distributed.launchers import ensure_shm_op_built
-
-        ensure_shm_op_built()  # never inside a run that gets killed
+        kh.disable_shm_op()  # dp-only ranks never use it; loading it can hang on a stale build lock
     ensure_demo_target()
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="ds_capture_soak_"))

@@ -12,9 +12,11 @@ Two ways to kill, mixed by the crash tests and ``benchmarks/soak.py``:
   ``flip``      after every shard, before ``manifest.json`` is flipped to ``complete: true``;
   ``after_flip`` right after the flip, before the process exits.
 
+  With ``DS_CAPTURE_TEST_NO_SHM=1`` the script also skips DeepSpeed's shm op (see :func:`disable_shm_op`).
+
   :func:`install_kill` applies the same switch in-process (the single-process tests fork and call it).
 - **From outside** (seeded): :func:`launch` starts a launcher in its own session and
-  :func:`kill_when` SIGKILLs the whole process group once a condition on the output directory holds
+  :func:`kill_when` SIGKILLs the launcher and every process below it once a condition on the output directory holds
   (e.g. "n shard files exist"), the moment chosen by the test's seed.
 
 In: launcher kind, rank count, argv, a condition. Out: digests of the cache files, the set of finished
@@ -140,7 +142,37 @@ def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None
     return proc, port
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children before grandchildren."""
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        kids = []
+        try:
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as handle:
+                    kids += [int(kid) for kid in handle.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        found += kids
+        stack += kids
+    return found
+
+
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process below it, all at the same moment.
+
+    Not just its process group: torchrun starts each rank in a session of its own, so a killpg of the
+    launcher's group would leave the ranks running on. Everything is stopped first, then killed, so no
+    rank sees a peer die and reacts before it dies itself.
+    """
+    pids = [proc.pid] + descendants(proc.pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -178,6 +210,23 @@ def wait_and_reap(proc: subprocess.Popen, port: int, timeout_s: float) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- forked ranks
+
+
+def disable_shm_op() -> None:
+    """Keep forked ranks away from DeepSpeed's JIT-built shm all-reduce op (call before forking).
+
+    Loading it takes torch's build lock under ~/.cache/torch_extensions, shared by every venv on the
+    box; venvs with other flags rebuild it in turn, and a process killed while it holds the lock leaves
+    it behind, after which every load waits forever. These ranks are dp-only (the op is switched off for
+    TP sub-groups anyway), so they never use it: DeepSpeed falls back to torch.distributed.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
 
 
 def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
@@ -323,8 +372,12 @@ def summary_counts(text: str) -> tuple[int, int] | None:
     return None
 
 
+NO_SHM_ENV = "DS_CAPTURE_TEST_NO_SHM"
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    if os.environ.get(NO_SHM_ENV) == "1":
+        disable_shm_op()
     if os.environ.get(KILL_ENV):
         install_kill(os.environ[KILL_ENV])
     from ds_capture.cli import main

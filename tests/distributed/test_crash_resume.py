@@ -6,7 +6,8 @@ Kill points (``_kill_helpers``): inside the process (k-th forward, half-written 
 renamed before its sidecar, before / after the manifest flip; on rank 0 only, rank 1 only or all
 ranks) and from outside (SIGKILL of every rank or of the launcher's process group once the output
 directory reaches a seeded state). The matrix runs as forked gloo ranks (the launcher's environment,
-imports paid once); the outside kill of a real ``torchrun`` job checks the CLI summary line.
+imports paid once); a real ``torchrun`` job killed twice checks the CLI summary line. A 4-rank
+TP=2 x EP=2 run is killed at five points too.
 
     DS_CAPTURE_KILL_SEED=7 pytest tests/distributed/test_crash_resume.py     # other seeded points
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -58,12 +58,6 @@ def kill_points(seed: int) -> list[tuple[str, str]]:
 
 
 POINTS = kill_points(SEED)
-# Each point is a killed run plus a rerun (10-60 s on this shared 2-core box): by default a fixed subset
-# covering each kind of point; DS_CAPTURE_KILL_MATRIX=full runs all of them.
-DEFAULT_POINTS = ("mid-forward-rank0", "mid-shard-write-all", "shard-renamed-no-sidecar-rank1",
-                  "after-last-shard-before-flip")
-if os.environ.get("DS_CAPTURE_KILL_MATRIX") != "full":
-    POINTS = [(name, spec) for name, spec in POINTS if name in DEFAULT_POINTS]
 
 
 def write_recipe(path: Path, target: Path, data: Path, out: Path, **distributed) -> Path:
@@ -82,14 +76,9 @@ def setup(tiny_target, tmp_path_factory) -> dict:
     """Target, data subset and the uninterrupted 2-rank reference cache (digests, once per module)."""
     # Imported once here, so each forked rank starts at once. Not ds_capture.engine.deepspeed_engine:
     # forked after that import, ranks hang before their first output.
-    import deepspeed  # noqa: F401
     import ds_capture.runner  # noqa: F401
-    from tests.distributed.launchers import ensure_shm_op_built
 
-    # Build DeepSpeed's shm op outside any killed run: a rank killed inside torch's build lock
-    # would leave the lock behind and every later run (anyone's) would wait on it forever.
-    ensure_shm_op_built()
-
+    kh.disable_shm_op()
     root = tmp_path_factory.mktemp("crash")
     target = tiny_target("qwen3_moe", seed=0)
     data = root / "data.jsonl"
@@ -119,7 +108,7 @@ def assert_no_partial_final_shard(out: Path) -> None:
                                              "target_last_hidden_states"], name
 
 
-@pytest.mark.timeout(480)  # the first one also builds the reference
+@pytest.mark.timeout(300)  # the first one also builds the reference
 @pytest.mark.parametrize("kill", [spec for _, spec in POINTS], ids=[name for name, _ in POINTS])
 def test_killed_2rank_run_resumes_byte_identical(setup, tmp_path: Path, kill: str) -> None:
     out = tmp_path / "cache"
@@ -156,30 +145,44 @@ def test_killed_2rank_run_resumes_byte_identical(setup, tmp_path: Path, kill: st
           f"kept {summary['shards_skipped']}")
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_job_killed_from_outside_resumes_with_summary(setup, tmp_path: Path) -> None:
-    """A real torchrun job, SIGKILLed as a process group once a seeded number of shards is finished;
-    the rerun's CLI summary says how many shards it wrote and kept, and the cache equals the reference."""
-    needed = random.Random(SEED + 1).randint(1, NUM_SHARDS - 2)
+SHIM = str(Path(kh.__file__).resolve())
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_job_killed_twice_resumes_with_summary(setup, tmp_path: Path) -> None:
+    """A real torchrun job: SIGKILLed as a process group from outside once its manifest (complete: false)
+    is there; rerun and SIGKILLed inside on rank 1 only, mid-shard-write; rerun to the end. Each rerun
+    keeps what was finished, the CLI summary says how many shards it wrote and kept, and the cache
+    equals the reference. (The ranks run ``ds-capture`` through the kill-switch script.)"""
     out = tmp_path / "cache"
     cfg = write_recipe(tmp_path / "run.yaml", setup["target"], setup["data"], out)
-    argv = ["-m", "ds_capture", "run", "-c", str(cfg), "--no-progress"]
-    proc, port = kh.launch("torchrun", 2, argv, None, tmp_path / "killed.log")
+    argv = [SHIM, "run", "-c", str(cfg), "--no-progress"]
+    env = {kh.NO_SHM_ENV: "1"}
+
+    proc, port = kh.launch("torchrun", 2, argv, env, tmp_path / "killed1.log")
     try:
-        killed = kh.kill_when(proc, lambda: out.is_dir() and len(kh.finished_shards(out)) >= needed, timeout_s=150)
+        killed = kh.kill_when(proc, lambda: (out / "manifest.json").is_file(), timeout_s=150)
     finally:
         kh.wait_and_reap(proc, port, timeout_s=30)
     assert killed, "the job finished before the kill point"
-    done_before = kh.finished_shards(out)
-    assert len(done_before) >= needed and kh.manifest_complete(out) is False
-    assert_no_partial_final_shard(out)
+    assert kh.manifest_complete(out) is False and (out / ".ds_capture" / "lock").exists()
 
-    result = run_launcher("torchrun", 2, argv, None, timeout_s=150)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert kh.summary_counts(result.stdout) == (NUM_SHARDS - len(done_before), len(done_before)), result.stdout[-2000:]
-    assert "reclaiming a stale lock" in result.stdout  # the killed job's lock, pid gone
+    second = run_launcher("torchrun", 2, argv, {**env, kh.KILL_ENV: "save:2:1"}, timeout_s=150)
+    assert second.returncode != 0, second.stdout[-3000:]
+    assert "reclaiming a stale lock" in second.stdout, [l for l in second.stdout.splitlines() if "lock" in l or "ds_capture" in l][:20]  # the first job's lock, pid gone
+    assert kh.manifest_complete(out) is False
+    assert_no_partial_final_shard(out)
+    done_before = kh.finished_shards(out)
+    assert 3 in done_before and 4 not in done_before  # rank 1 (shards 3-5) died writing its second shard
+    inodes_before = {n: i for n, i in kh.shard_inodes(out).items() if int(n[6:12]) in done_before}
+
+    third = run_launcher("torchrun", 2, argv, env, timeout_s=150)
+    assert third.returncode == 0, third.stdout[-3000:]
+    assert kh.summary_counts(third.stdout) == (NUM_SHARDS - len(done_before), len(done_before)), third.stdout[-2000:]
+    assert {n: i for n, i in kh.shard_inodes(out).items() if n in inodes_before} == inodes_before
     assert kh.cache_digests(out) == setup["reference"]
-    assert result.leftover_shm == []
+    assert second.leftover_shm == [] and third.leftover_shm == []
+    print(f"torchrun: kept {sorted(done_before)} after two kills; summary {kh.summary_counts(third.stdout)}")
 
 
 @pytest.mark.timeout(120)
@@ -197,33 +200,40 @@ def test_one_rank_raising_ends_every_rank_fast_with_the_cause_once(setup, tmp_pa
     assert not result["timed_out"] and all(code not in (0, None) for code in result["codes"]), (result, log[-3000:])
     assert elapsed < 30, f"ranks took {elapsed:.1f} s to stop"
     cause = "injected failure at forward #3 on rank 1"
-    error_lines = [line for line in log.splitlines() if "error:" in line and cause in line]
-    assert len(error_lines) == 1, log[-4000:]
-    assert "Traceback" not in log
+    # The failing rank reports the cause once (here through the harness; under the CLI, its traceback).
+    assert sum(line.startswith("rank 1: InjectedFailure") for line in log.splitlines()) == 1, log[-4000:]
+    # Its peer says once why it stops, naming the rank and the cause, and does not report a failure of its own.
+    peer = [line for line in log.splitlines() if line.startswith("ds-capture: rank 0 stopping because rank 1 failed")]
+    assert len(peer) == 1 and cause in peer[0], log[-4000:]
+    assert not any(line.startswith("rank 0:") for line in log.splitlines()), log[-4000:]
     assert kh.manifest_complete(out) is False
     print(f"fail-fast: both ranks stopped {elapsed:.1f} s after start; exit codes {result['codes']}")
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(os.environ.get("DS_CAPTURE_TPEP_KILL") != "1",
-                    reason="4-rank TP=2 x EP=2 kill test: about 3 min per run on this 2-core box (a reference "
-                           "and a rerun per point); set DS_CAPTURE_TPEP_KILL=1 to run it")
-@pytest.mark.parametrize("kill", ["forward:4:2", "save:2:all", "flip:1:0"])
-def test_killed_tp2_ep2_run_resumes_byte_identical(setup, tmp_path_factory, tmp_path: Path, kill: str) -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", ["forward:4:2", "forward:2:all", "save:2:all", "sidecar:1:2", "flip:1:0"])
+def test_killed_tp2_ep2_run_resumes_byte_identical(setup, tmp_path: Path, kill: str) -> None:
+    """4 ranks, TP=2 x EP=2 (dp=2; ranks 0 and 2 write), killed and rerun: identical to an uninterrupted
+    run of the same layout."""
     root = setup["root"]
     reference = root / "tpep_reference"
     if not reference.is_dir():
         cfg = write_recipe(root / "tpep_reference.yaml", setup["target"], setup["data"], reference, tp_size=2,
                            ep_size=2)
-        result = kh.run_forked_ranks(4, cfg, log_path=root / "tpep_reference.log", timeout_s=400)
+        result = kh.run_forked_ranks(4, cfg, log_path=root / "tpep_reference.log", timeout_s=200)
         assert result["codes"] == [0, 0, 0, 0], (root / "tpep_reference.log").read_text()[-3000:]
+        producer = json.loads((reference / "manifest.json").read_text())["producer"]
+        assert (producer["tp_size"], producer["ep_size"], producer["dp_size"]) == (2, 2, 2)
     out = tmp_path / "cache"
     cfg = write_recipe(tmp_path / "run.yaml", setup["target"], setup["data"], out, tp_size=2, ep_size=2)
-    killed = kh.run_forked_ranks(4, cfg, kill=kill, log_path=tmp_path / "killed.log", timeout_s=400)
-    assert signal.SIGKILL in killed["signals"] and not killed["timed_out"]
+    killed = kh.run_forked_ranks(4, cfg, kill=kill, log_path=tmp_path / "killed.log", timeout_s=120)
+    log = (tmp_path / "killed.log").read_text()
+    assert signal.SIGKILL in killed["signals"] and not killed["timed_out"], (killed, log[-3000:])
+    assert_no_partial_final_shard(out)
     done_before = kh.finished_shards(out)
-    rerun = kh.run_forked_ranks(4, cfg, log_path=tmp_path / "rerun.log", timeout_s=400)
+    rerun = kh.run_forked_ranks(4, cfg, log_path=tmp_path / "rerun.log", timeout_s=120)
     assert rerun["codes"] == [0, 0, 0, 0], (tmp_path / "rerun.log").read_text()[-3000:]
-    assert rerun["summary"]["shards_written"] == NUM_SHARDS - len(done_before)
+    summary = rerun["summary"]
+    assert (summary["shards_written"], summary["shards_skipped"]) == (NUM_SHARDS - len(done_before), len(done_before))
     assert kh.cache_digests(out) == kh.cache_digests(reference)
-    shutil.rmtree(out)
+    print(f"tp2xep2 {kill}: done before rerun {sorted(done_before)}; rerun wrote {summary['shards_written']}")
