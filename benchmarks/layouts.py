@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "tests" / "distributed"))
+    sys.path[:0] = [str(REPO), str(REPO / "tests" / "distributed")]
     from launchers import ensure_shm_op_built, run_launcher
 
     from ds_capture.demo import build_tiny_target
