@@ -35,8 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
     run.add_argument("--restart", action="store_true", help="recompute every shard even where valid ones exist")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # The deepspeed launcher appends --local_rank=N; the rank comes from the environment instead.
-    run.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
     verify = sub.add_parser("verify", help="check a cache against the format contract")
     verify.add_argument("cache_dir", type=Path)
@@ -58,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
                         format="[ds_capture] %(levelname)s %(message)s")
     try:
@@ -71,6 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)
         return 130
+
+
+def _drop_local_rank(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` / ``--local_rank N`` wherever the launcher put it (deepspeed puts it
+    before the subcommand); the rank comes from the environment."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            kept.append(arg)
+    return kept
 
 
 def _is_rank0() -> bool:

@@ -70,7 +70,8 @@ class _ModelParallelUnit:
 def build_deepspeed_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
                           attn_implementation: str | None, ds_config: Mapping[str, Any] | None) -> nn.Module:
     """This rank's shard of the frozen target: EP over ``groups.ep_group``, AutoTP over ``groups.tp_group``."""
-    if plan.world_size == 1:
+    if plan.tp_size == 1 and plan.ep_size == 1:
+        # Pure data parallelism replicates the model: every rank loads it whole, as one process would.
         return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model, _ = build_sharded_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation,
                                    ds_config=ds_config)
