@@ -7,8 +7,8 @@ the rerun wrote exactly the shards that were not finished (its summary), and the
 (manifest, target weights, shards) are byte-identical to the reference run. Ranks are forks of this
 process (imports paid once), with the environment a launcher gives them when ``--world-size`` > 1.
 
-    python benchmarks/soak.py                      # 6 cycles, 1 rank, ~1-2 min on 2 shared cores
-    python benchmarks/soak.py --cycles 20 --world-size 2 --seed 3
+    python benchmarks/soak.py                      # 12 cycles, 2 ranks (dp=2), ~2 min on 2 shared cores
+    python benchmarks/soak.py --cycles 100 --world-size 1 --seed 3
 
 Prints one JSON object: cycles, shards recomputed per cycle, mismatches (must be 0), and per-cycle details.
 """
@@ -16,6 +16,7 @@ Prints one JSON object: cycles, shards recomputed per cycle, mismatches (must be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -32,8 +33,8 @@ from tests.distributed import _kill_helpers as kh  # noqa: E402  (the kill switc
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cycles", type=int, default=6, help="kill-and-resume cycles (default 6)")
-    parser.add_argument("--world-size", type=int, default=1, help="ranks per run, data parallel (default 1)")
+    parser.add_argument("--cycles", type=int, default=12, help="kill-and-resume cycles (default 12)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks per run, data parallel (default 2)")
     parser.add_argument("--samples", type=int, default=32, help="first rows of the demo data (default 32)")
     parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--shard-size", type=int, default=4)
@@ -55,11 +56,14 @@ def write_recipe(path: Path, args: argparse.Namespace, data: Path, out: Path) ->
     return path
 
 
-def pick_kill(rng: random.Random, num_shards: int, world_size: int, micro_batches_per_rank: int) -> str:
-    """A seeded kill: ``point:k:ranks`` (inside) or ``outside:shards>=n``."""
+KINDS = ("forward", "save", "sidecar", "outside", "flip", "after_flip")
+
+
+def pick_kill(cycle: int, rng: random.Random, num_shards: int, world_size: int, micro_batches_per_rank: int) -> str:
+    """A seeded kill: ``point:k:ranks`` (inside) or ``outside:shards>=n``; the kinds take turns."""
     shards_per_rank = -(-num_shards // world_size)
     ranks = rng.choice(["all"] + [str(r) for r in range(world_size)]) if world_size > 1 else "all"
-    point = rng.choice(["forward", "save", "sidecar", "flip", "after_flip", "outside"])
+    point = KINDS[cycle % len(KINDS)]
     if point == "forward":
         return f"forward:{rng.randint(1, micro_batches_per_rank)}:{ranks}"
     if point in ("save", "sidecar"):
@@ -108,6 +112,14 @@ def run_cycle(index: int, kill: str, cfg: Path, out: Path, work: Path, args, ref
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # stdout carries only the JSON report: libraries' notices (DeepSpeed logs to stdout) go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        report = soak(args)
+    print(json.dumps(report, indent=2))
+    return 0 if report.get("mismatches") == 0 else 1
+
+
+def soak(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -129,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                                   log_path=work / "reference.log", timeout_s=args.timeout_s)
         if any(code != 0 for code in ref["codes"]):
             print((work / "reference.log").read_text()[-3000:], file=sys.stderr)
-            return 1
+            return {"error": "the reference run failed", "mismatches": None}
         reference = kh.cache_digests(reference_dir)
         out = work / "cache"
         cfg = write_recipe(work / "run.yaml", args, data, out)
         rng = random.Random(args.seed)
         shards_per_rank = -(-num_shards // args.world_size)
         batches_per_rank = shards_per_rank * -(-args.shard_size // args.micro_batch_size)
-        cycles = [run_cycle(i, pick_kill(rng, num_shards, args.world_size, batches_per_rank), cfg, out, work, args,
+        cycles = [run_cycle(i, pick_kill(i, rng, num_shards, args.world_size, batches_per_rank), cfg, out, work, args,
                             reference, num_shards) for i in range(args.cycles)]
         report = {
             "cycles": args.cycles,
@@ -150,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.monotonic() - started, 1),
             "per_cycle": cycles,
         }
-        print(json.dumps(report, indent=2))
-        return 0 if report["mismatches"] == 0 else 1
+        return report
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
