@@ -257,6 +257,9 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
                 log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 os.dup2(log_fd, 1)
                 os.dup2(log_fd, 2)
+                # pytest's sys.stdout/stderr are its own capture objects, not fds 1 and 2: rebind them.
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
                 import faulthandler
 
                 # A rank that hangs says where before the parent kills it.
