@@ -105,7 +105,8 @@ def run_cycle(index: int, kill: str, cfg: Path, out: Path, work: Path, args, ref
     if kh.cache_digests(out) != reference:
         problems.append("cache differs from the reference")
     shutil.rmtree(out, ignore_errors=True)
-    return {"cycle": index, "kill": kill, "killed_signals": killed["signals"], "finished_before_rerun": len(done_before),
+    return {"cycle": index, "kill": kill, "killed_signals": killed["signals"],
+            "finished_before_rerun": len(done_before),
             "recomputed": summary.get("shards_written"), "kept": summary.get("shards_skipped"),
             "identical": not problems, "problems": problems, "seconds": round(time.monotonic() - started, 1)}
 

@@ -325,7 +325,8 @@ def test_nan_policy_record_zeroes_the_sample_and_lists_it(base, tmp_path, monkey
     others = [r for r in range(SHARD_SIZE) if r != row]
     for key in ("target_hidden_states", "target_last_hidden_states", "loss_mask"):
         assert torch.equal(got[key][others], want[key][others]), key
-    clean = {name: d for name, d in digests(out).items() if name.startswith("shard-") and name != f"shard-{shard_index:06d}.safetensors"}
+    poisoned = f"shard-{shard_index:06d}.safetensors"
+    clean = {name: d for name, d in digests(out).items() if name.startswith("shard-") and name != poisoned}
     assert clean == {name: d for name, d in base["digests"].items() if name in clean} and len(clean) == NUM_SHARDS - 1
 
 
