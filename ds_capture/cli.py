@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ds_capture import __version__
+from ds_capture.dist import AgreedError
 from ds_capture.errors import CaptureError
 
 _LOG = logging.getLogger("ds_capture")
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except CaptureError as error:
         if args.debug:
             raise
-        print(f"ds-capture {args.command}: error: {error}", file=sys.stderr)
+        # A failure all ranks agreed on is printed once, by rank 0; a rank's own failure by that rank.
+        if not isinstance(error, AgreedError) or _is_rank0():
+            print(f"ds-capture {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)

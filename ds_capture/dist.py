@@ -337,6 +337,16 @@ def remove_shm_buffers(master_addr: str, master_port: int, ranks: list[int] | No
 # --------------------------------------------------------------------------- lockstep collectives
 
 
+class AgreedError(CaptureError):
+    """A failure every rank raised together (``agree_on_error``); ``rank`` is the rank that failed first.
+
+    The CLI prints it once (on rank 0), not once per rank."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 def agree_on_error(local_error: BaseException | None) -> None:
     """Make one rank's failure every rank's failure, at once and with the same message.
 
@@ -365,7 +375,7 @@ def agree_on_error(local_error: BaseException | None) -> None:
     if not failures:
         return
     # The lowest failing rank's message, identical on every rank (rank 0's refusal wins when present).
-    raise CaptureError(failures[0][1]) from local_error
+    raise AgreedError(failures[0][1], rank=failures[0][0]) from local_error
 
 
 def all_reduce_max_int(value: int) -> int:
