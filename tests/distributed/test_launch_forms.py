@@ -9,11 +9,6 @@ does the expert all-to-all between the two ranks) is run as ``python -m ds_captu
   deepspeed_module   ``deepspeed --num_accelerators 2 --module ds_capture run -c CFG``
   mpirun             ``mpirun -np 2 python -m ds_capture run -c CFG`` (OpenMPI discovery)
 
-The three deepspeed forms fail today as users type them (``-m ds_capture --local_rank=0 run``: the CLI
-rejects ``--local_rank`` before the subcommand): that test is ``xfail(strict=True)`` with the fix in its
-reason, and the same launches run again through this file as a shim that drops ``--local_rank``, so the
-cache bytes are still checked for ``deepspeed --hostfile``, two simulated nodes and ``--num_accelerators``.
-
 Every shard file and ``target_weights.safetensors`` must have the same sha256 as torchrun's; the manifests
 must agree on every identity field and differ, if at all, only in bookkeeping. EP is exact by
 construction (no reassociated sums), so bytes, not tolerances, are the right check; TP would route the
@@ -27,13 +22,6 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-
-if __name__ == "__main__":
-    # Launcher shim: the CLI minus the ``--local_rank=N`` the deepspeed launcher inserts before ``run``
-    # (ds_capture.cli accepts it only after the subcommand; see the xfail below).
-    from ds_capture.cli import main
-
-    sys.exit(main([arg for arg in sys.argv[1:] if not arg.startswith(("--local_rank", "--local-rank"))]))
 
 import pytest
 import yaml
@@ -58,21 +46,10 @@ def _recipe(path: Path, target: Path, out: Path) -> Path:
     return path
 
 
-SHIM = str(Path(__file__).resolve())
-LOCAL_RANK_BUG = (
-    "ds_capture.cli accepts --local_rank only after `run`, but deepspeed's launcher inserts --local_rank=N "
-    "right after the module/script (`-m ds_capture --local_rank=0 run ...`): argparse exits 2 with "
-    "'unrecognized arguments: --local_rank=0'. Fix in cli.build_parser: also add "
-    "`parser.add_argument('--local_rank', '--local-rank', type=int, default=None, help=argparse.SUPPRESS)` "
-    "to the top-level parser.")
-
-
-def _launch(kind: str, root: Path, target: Path, *, shim: bool = False) -> Path:
-    name = kind + ("_shim" if shim else "")
-    out = root / name / "cache"
-    cfg = _recipe(root / f"{name}.yaml", target, out)
-    program = [SHIM] if shim else ["-m", "ds_capture"]
-    result = run_launcher(kind, 2, [*program, "run", "-c", str(cfg), "--no-progress"], None, 240)
+def _launch(kind: str, root: Path, target: Path) -> Path:
+    out = root / kind / "cache"
+    cfg = _recipe(root / f"{kind}.yaml", target, out)
+    result = run_launcher(kind, 2, ["-m", "ds_capture", "run", "-c", str(cfg), "--no-progress"], None, 240)
     assert result.returncode == 0, result.stdout[-6000:]
     assert result.leftover_shm == [], result.leftover_shm
     assert "4 shards written" in result.stdout, result.stdout[-3000:]
@@ -112,15 +89,7 @@ def test_mpirun_python_m_ds_capture_gives_byte_identical_cache(forms):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=LOCAL_RANK_BUG)
 @pytest.mark.parametrize("kind", ["deepspeed_hostfile", "deepspeed_two_nodes", "deepspeed_module"])
-def test_deepspeed_module_ds_capture_run(forms, kind):
-    """``deepspeed ... --module ds_capture run -c CFG`` exactly as users type it."""
-    _check_same_bytes(_launch(kind, forms["root"], forms["target"]), forms["reference"])
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["deepspeed_hostfile", "deepspeed_two_nodes", "deepspeed"])
 def test_deepspeed_launchers_give_byte_identical_cache(forms, kind):
-    """The same launches through a shim that drops ``--local_rank`` (the cache bytes, whatever the CLI bug)."""
-    _check_same_bytes(_launch(kind, forms["root"], forms["target"], shim=True), forms["reference"])
+    """``deepspeed ... --module ds_capture run -c CFG`` exactly as users type it (--local_rank goes first)."""
+    _check_same_bytes(_launch(kind, forms["root"], forms["target"]), forms["reference"])
