@@ -162,11 +162,29 @@ class FailFast:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        from ds_capture.dist import AgreedError
+
         self._stop.set()
-        if exc is not None and self.store is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            self.publish(exc)
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_S)
+        if exc is None or self.store is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        first = None if isinstance(exc, AgreedError) else self._failure_of_another_rank()
+        if first is None:
+            self.publish(exc)
+            return
+        # A peer failed first and this rank's error is its echo (a collective broken by the peer's exit,
+        # faster than the watchdog's poll): report the root cause, not the echo.
+        raise CaptureError(f"rank {self.rank} stopped because rank {first['rank']} failed: {first['message']}") from exc
+
+    def _failure_of_another_rank(self) -> dict | None:
+        try:
+            if self.store.check([_ABORT_KEY]):
+                failure = json.loads(self.store.get(_ABORT_KEY))
+                return failure if failure["rank"] != self.rank else None
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+            pass
+        return None
 
     def publish(self, error: BaseException) -> None:
         message = str(error) if isinstance(error, CaptureError) else f"{type(error).__name__}: {error}"
