@@ -45,12 +45,33 @@ def ensure_env() -> Path:
     return venv_python()
 
 
+def ensure_shm_op(python: Path, env: dict) -> None:
+    """Build DeepSpeed's CPU shared-memory all-reduce op once, outside any test timeout (minutes on 2 cores).
+
+    It lives in this venv's own extensions dir: a build shared between venvs is rebuilt by each in turn,
+    and a build killed halfway leaves a ``lock`` file that makes every later one wait forever.
+    """
+    stamp = VENV / ".ds_capture_shm_op_built"
+    if stamp.is_file():
+        return
+    lock = Path(env["TORCH_EXTENSIONS_DIR"]).glob("*/deepspeed_shm_comm/lock")
+    for path in lock:
+        path.unlink()
+    print("[dev] building DeepSpeed's CPU comm op (first run only)", flush=True)
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    subprocess.run([str(python), "-c", code], check=True, env=env)
+    stamp.write_text("ok")
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("demo", "test", "env"):
         print(__doc__)
         return 2
     python = ensure_env()
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV / "torch_extensions"))
+    ensure_shm_op(python, env)
     command, rest = argv[0], argv[1:]
     if command == "env":
         return 0
