@@ -73,14 +73,19 @@ class RunSummary:
     seconds: float
     capture_seconds: float = 0.0
     """Time in the forward/write loop (``seconds`` also counts data preparation and model loading)."""
+    published: bool = True
+    """False when the directory already held this complete cache and nothing was (re)written."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.capture_seconds if self.capture_seconds > 0 else 0.0
 
     def format(self) -> str:
-        if self.shards_written == 0 and self.shards_skipped == self.num_shards:
+        if not self.published:
             return f"{self.output_dir} already holds this complete cache ({self.num_samples} samples); nothing to do"
+        if self.shards_written == 0 and self.shards_skipped == self.num_shards:
+            return (f"all {self.num_shards} shards of {self.output_dir} were already done; published the manifest "
+                    f"(complete: true) for {self.num_samples} samples")
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
             f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
@@ -105,7 +110,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
-        with FailFast(plan.rank):
+        with FailFast(plan.rank), _peer_failures():
             return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
 
 
@@ -157,7 +162,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)
         return RunSummary(output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
-                          seconds=time.perf_counter() - started)
+                          seconds=time.perf_counter() - started, published=False)
 
     groups = new_groups(plan) if plan.world_size > 1 else None
     model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
@@ -439,6 +444,24 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
         tensor = tensor.to(collective_device())
         torch_dist.all_reduce(tensor)
     return [int(v) for v in tensor.cpu()]
+
+
+# What gloo / NCCL say when a peer process died under a collective.
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+@contextmanager
+def _peer_failures() -> Iterator[None]:
+    """A collective that failed because a peer rank died becomes a clear message instead of a traceback."""
+    try:
+        yield
+    except RuntimeError as error:
+        if any(text in str(error) for text in _PEER_DIED):
+            raise CaptureError(
+                f"a peer rank died during a collective ({str(error).splitlines()[0][:200]}). Its own log has the "
+                "cause; rerun the same command to continue: finished shards are kept, the rest is recomputed."
+            ) from error
+        raise
 
 
 @contextmanager

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import save_file as _save_file
 
 from ds_capture.cache.format import (
     BOOKKEEPING_DIR,
@@ -37,6 +39,22 @@ from ds_capture.errors import CaptureError
 
 TMP_SUFFIX = ".tmp"
 _MAX_LISTED = 5
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` whose I/O failures surface as ``OSError`` (with errno and path).
+
+    safetensors reports a full disk as ``SafetensorError("... No space left on device (os error 28)")``;
+    the runner turns an ``OSError`` into a clear message, so the errno is recovered here.
+    """
+    try:
+        _save_file(tensors, path)
+    except SafetensorError as error:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from error
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
