@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import REPO_ROOT, run_launcher  # noqa: E402
+from support import record  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
 from test_families import randomize_hash_routes, to_release_layout  # noqa: E402
 
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "support_matrix.json"
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
 # (model_type, layout name, nproc, tp_size, ep_size): the supported layouts checked for equality.
@@ -111,20 +111,13 @@ def _max_rel_diff(a_dir: Path, b_dir: Path) -> float:
     return worst
 
 
-def _record(model_type: str, layout: str, entry: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    data.setdefault(model_type, {})[layout] = entry
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model_type, layout, nproc, tp_size, ep_size", EQUAL_CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in EQUAL_CASES])
 def test_layout_equals_single_process(targets, single_caches, tmp_path, model_type, layout, nproc, tp_size, ep_size):
     reference = single_caches(model_type)
-    _record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
+    record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
     out = tmp_path / "cache"
     result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size))
     assert result.returncode == 0, result.stdout[-6000:]
@@ -133,7 +126,7 @@ def test_layout_equals_single_process(targets, single_caches, tmp_path, model_ty
     assert manifest["complete"] is True
     assert (manifest["tp_size"] if "tp_size" in manifest else manifest["producer"]["tp_size"]) == tp_size
     diff = _max_rel_diff(reference, out)
-    _record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
+    record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                  "nproc": nproc, "tp_size": tp_size, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)
 
@@ -149,4 +142,4 @@ def test_unsupported_layout_is_refused_before_loading(targets, tmp_path, model_t
     assert result.returncode == 2, result.stdout[-4000:]
     assert message in result.stdout, result.stdout[-4000:]
     assert "Loading weights" not in result.stdout and not out.exists()
-    _record(model_type, layout, {"status": "refused", "reason": message})
+    record(model_type, layout, {"status": "refused", "reason": message})

@@ -63,6 +63,7 @@ LAYOUTS = {  # layout -> (world, tp_size, ep_size)
     "ep2": (2, 1, 2),
     "tp2ep2": (4, 2, 2),
 }
+SUPPORT_LAYOUT = {"dp2": "dp", "tp2": "tp", "ep2": "ep", "tp2ep2": "tp_x_ep"}  # names in support_matrix.json
 TARGET_OVERRIDES = dict(num_hidden_layers=3)
 FP32_RTOL = 1e-5
 BF16_ULP = 2.0 ** -8  # bf16 has 8 significant bits: ulp(x) <= 2^-7 |x|; 2^-8 is half-ulp at the top of a binade
@@ -135,6 +136,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
+from support import record  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -298,6 +300,12 @@ def _case(layout_runs: Path, model_type: str, mode: str, layout: str) -> tuple[d
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fp32_cache_equals_single_process(layout_runs, model_type, layout):
     cache, routes = _case(layout_runs, model_type, "fp32", layout)
+    worst = max(stats["scaled"] for stats in cache.values())
+    world, tp_size, ep_size = LAYOUTS[layout]
+    record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
+    record(model_type, SUPPORT_LAYOUT[layout], {"status": "equal" if worst <= FP32_RTOL else "differs",
+                                                "max_rel_diff": worst, "nproc": world, "tp_size": tp_size,
+                                                "ep_size": ep_size})
     for name, stats in cache.items():
         assert stats["scaled"] <= FP32_RTOL, (name, stats)
     assert routes["per_layer"] and all(s["tokens"] > 0 for s in routes["per_layer"].values())
