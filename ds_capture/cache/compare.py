@@ -4,7 +4,10 @@ In:  two cache directories (each with a complete ``manifest.json``), optional ``
 Out: a :class:`CompareReport`: the identity fields side by side, per tensor key the max absolute and
      max relative difference over all shards (and the target weights), a per-shard summary, and the
      verdict. Integer tensors (``input_ids``, ``loss_mask``) must match exactly; floats pass when
-     ``|a - b| <= atol + rtol * |b|`` element-wise (``torch.isclose``; NaN only matches NaN).
+     ``|a - b| <= atol * max(1, max|b|) + rtol * |b|`` element-wise (``torch.isclose``; NaN only matches
+     NaN). ``atol`` is scaled by the tensor's magnitude: a hidden state that sums values near 20 carries
+     rounding of that size into elements near 0, so a fixed absolute bound would flag ulp-level noise
+     (tensor-parallel partial sums, a different BLAS blocking) as a difference.
      A directory that is not a complete cache is a ``CaptureError`` (the CLI's exit 2).
 
 Shards are read one pair at a time, so memory stays at two shards whatever the cache size.
@@ -135,7 +138,8 @@ class CompareReport:
         if not self.compared_tensors:
             lines.append("tensors: not compared (the caches have different shapes)")
         else:
-            lines.append(f"tolerance: |a-b| <= {self.atol:g} + {self.rtol:g}*|b| (floats); integers exact")
+            lines.append(f"tolerance: |a-b| <= {self.atol:g}*max(1, max|b|) + {self.rtol:g}*|b| (floats); "
+                         "integers exact")
             lines.append(f"  {'key':<30} {'max_abs':>11} {'max_rel':>11} {'mismatched':>14}")
             for key, diff in self.keys.items():
                 lines.append(f"  {key:<30} {diff.max_abs:>11.3e} {diff.max_rel:>11.3e} "
@@ -242,7 +246,8 @@ def _diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> KeyDiff
         return KeyDiff(max_abs=float(diff.max()), max_rel=float((diff.double() / scale).max()),
                        num_mismatched=int((diff != 0).sum()), numel=x.numel())
     x, y = x.float(), y.float()  # bf16 / fp16 -> fp32 is exact
-    close = torch.isclose(x, y, atol=atol, rtol=rtol, equal_nan=True)
+    magnitude = float(torch.nan_to_num(y.abs(), nan=0.0, posinf=0.0).max())
+    close = torch.isclose(x, y, atol=atol * max(1.0, magnitude), rtol=rtol, equal_nan=True)
     diff = (x - y).abs()
     both_nan = x.isnan() & y.isnan()
     diff = torch.where(both_nan, torch.zeros_like(diff), torch.nan_to_num(diff, nan=float("inf")))
