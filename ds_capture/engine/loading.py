@@ -267,18 +267,20 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
 
     stats = LoadStats()
     for path in sorted(reads):
-        with safe_open(path, framework="pt") as handle:  # one file mapped at a time
-            for key, name, cut in reads[path]:
+        for key, name, cut in reads[path]:
+            # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
+            # stays mapped, so a file kept open would add up to its whole owned share to the peak.
+            with safe_open(path, framework="pt") as handle:
                 tensor = _read(handle, key, cut)
-                num_bytes = tensor.numel() * tensor.element_size()
-                stats.bytes_read += num_bytes
-                stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
-                if name in pieces:
-                    pieces[name][key] = tensor
-                    if len(pieces[name]) < num_pieces[name]:
-                        continue
-                    tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
-                _copy_into(state[name], tensor, name, key)
+            num_bytes = tensor.numel() * tensor.element_size()
+            stats.bytes_read += num_bytes
+            stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
+            if name in pieces:
+                pieces[name][key] = tensor
+                if len(pieces[name]) < num_pieces[name]:
+                    continue
+                tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+            _copy_into(state[name], tensor, name, key)
         stats.num_files += 1
     assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
     return stats
