@@ -254,18 +254,28 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     reads: dict[Path, list[tuple[str, str, _Owned | None]]] = defaultdict(list)
     pieces: dict[str, dict[str, torch.Tensor]] = {}
     num_pieces: dict[str, int] = {}
+    # Stacked experts are converted and placed one expert at a time (checkpoint key -> its slot in the
+    # fused tensor), so a layer's experts are never held twice (pieces + stacked copy).
+    slot_of: dict[str, int] = {}
+    num_patterns: dict[str, int] = {}
     for name, keys in sources.items():
         cut = owned.get(name)
         if name in converter_of:
             converter = converter_of[name]
-            if cut is not None and not (cut.experts and isinstance(converter.operations[0], MergeModulelist)):
+            stacked = isinstance(converter.operations[0], MergeModulelist)
+            if cut is not None and not (cut.experts and stacked):
                 raise CaptureError(f"{name}: a sliced tensor built by {converter!r} is not supported.")
             keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
             pieces[name], num_pieces[name], cut = {}, len(keys), None
+            if stacked:
+                slots = _expert_slots(keys, key_map.pattern_of)
+                slot_of.update(slots)
+                num_patterns[name] = len({key_map.pattern_of[key] for key in keys})
         for key in keys:
             reads[index[key]].append((key, name, cut))
 
     stats = LoadStats()
+    placed: dict[str, int] = defaultdict(int)
     for path in sorted(reads):
         for key, name, cut in reads[path]:
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
@@ -275,6 +285,13 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
             num_bytes = tensor.numel() * tensor.element_size()
             stats.bytes_read += num_bytes
             stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
+            if key in slot_of:
+                if _place_expert(state[name], pieces[name], key, tensor, slot_of[key], num_patterns[name],
+                                 converter_of[name], key_map.pattern_of, name):
+                    placed[name] += 1
+                    if placed[name] * num_patterns[name] == num_pieces[name]:
+                        del pieces[name]  # every owned expert of this tensor is in place
+                continue
             if name in pieces:
                 pieces[name][key] = tensor
                 if len(pieces[name]) < num_pieces[name]:
@@ -298,6 +315,30 @@ def _owned_expert_keys(keys: list[str], pattern_of: dict[str, str], cut: _Owned 
     for key in keys:  # natural order: expert 0, 1, ..., E-1 within each pattern
         by_pattern[pattern_of[key]].append(key)
     return [key for group in by_pattern.values() for key in group[cut.start : cut.start + cut.length]]
+
+
+def _expert_slots(keys: list[str], pattern_of: dict[str, str]) -> dict[str, int]:
+    """Checkpoint key -> the index of its expert among this rank's (natural order within each pattern)."""
+    seen: dict[str, int] = defaultdict(int)
+    slots = {}
+    for key in keys:
+        slots[key] = seen[pattern_of[key]]
+        seen[pattern_of[key]] += 1
+    return slots
+
+
+def _place_expert(destination: torch.Tensor, pieces: dict, key: str, tensor: torch.Tensor, slot: int,
+                  num_patterns: int, converter: Any, pattern_of: dict[str, str], name: str) -> bool:
+    """Collect one expert's pieces (gate, up, ...); once complete, convert and copy them into its slot.
+
+    Returns True when the expert was placed."""
+    group = pieces.setdefault(slot, {})
+    group[key] = tensor
+    if len(group) < num_patterns:
+        return False
+    fused = _convert(converter, pieces.pop(slot), pattern_of, name)  # [1, ...]: one expert, stacked
+    _copy_into(destination[slot : slot + 1], fused, name, key)
+    return True
 
 
 def _convert(converter: Any, pieces: dict[str, torch.Tensor], pattern_of: dict[str, str], name: str) -> torch.Tensor:
