@@ -29,7 +29,6 @@ from ds_capture.cache.format import (
     CHECKSUMS_DIR,
     DTYPES,
     MANIFEST_NAME,
-    SHARD_RE,
     TARGET_WEIGHTS_NAME,
     Manifest,
     checksum_name,

@@ -28,14 +28,12 @@ from torch import nn
 
 from ds_capture.engine.loading import (
     LoadStats,
-    _checkpoint_index,
     _convert,
-    _few,
-    _map_checkpoint_keys,
     _Owned,
     _owned_expert_keys,
     _read,
     build_meta_model,
+    checkpoint_sources,
     record_tensor_layout,
     restore_tensor_layout,
 )
@@ -124,20 +122,8 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name)._buffers[leaf] = saved.to(device)
 
-    index = _checkpoint_index(target.path)
-    key_map = _map_checkpoint_keys(model, list(index))
+    index, key_map, state = checkpoint_sources(model, target, layout)
     sources, converter_of = key_map.sources, key_map.converter_of
-    state = model.state_dict(keep_vars=True)
-    family = target.family
-    if target.tie_word_embeddings and family.lm_head_weight_key in state and family.lm_head_weight_key not in sources:
-        sources[family.lm_head_weight_key] = [family.embed_weight_key]  # tied: the lm_head is the embedding
-    missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
-    if missing or key_map.unexpected:
-        raise CaptureError(
-            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its config.json "
-            f"(missing: {_few(missing)}; unexpected: {_few(key_map.unexpected)}). Re-save the target with "
-            "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
-        )
 
     # Plan the reads per file: (checkpoint key, model tensor, this rank's dim-0 cut or None for whole).
     reads: dict[Path, list[tuple[str, str, _Owned | None]]] = defaultdict(list)

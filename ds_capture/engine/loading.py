@@ -218,6 +218,29 @@ def _read(handle: Any, key: str, owned: _Owned | None) -> torch.Tensor:
     return view[tuple(index)].clone()
 
 
+def checkpoint_sources(model: nn.Module, target: TargetInfo, layout: Any) -> tuple[dict[str, Path], _KeyMap, dict]:
+    """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
+
+    Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
+    naming them. A tied lm_head takes the embedding's key.
+    """
+    index = _checkpoint_index(target.path)
+    key_map = _map_checkpoint_keys(model, list(index))
+    sources = key_map.sources
+    state = model.state_dict(keep_vars=True)
+    family = target.family
+    if target.tie_word_embeddings and family.lm_head_weight_key in state and family.lm_head_weight_key not in sources:
+        sources[family.lm_head_weight_key] = [family.embed_weight_key]  # tied: the lm_head is the embedding
+    missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
+    if missing or key_map.unexpected:
+        raise CaptureError(
+            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its config.json "
+            f"(missing: {_few(missing)}; unexpected: {_few(key_map.unexpected)}). Re-save the target with "
+            "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
+        )
+    return index, key_map, state
+
+
 @torch.no_grad()
 def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     """Materialise ``model`` on CPU and fill every parameter / persistent buffer from this rank's slices.
@@ -234,20 +257,8 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
         model.to_empty(device="cpu")  # allocates only this rank's shards: the layout is already applied
         restore_tensor_layout(model, layout)
 
-    index = _checkpoint_index(target.path)
-    key_map = _map_checkpoint_keys(model, list(index))
+    index, key_map, state = checkpoint_sources(model, target, layout)
     sources, converter_of = key_map.sources, key_map.converter_of
-    state = model.state_dict(keep_vars=True)
-    family = target.family
-    if target.tie_word_embeddings and family.lm_head_weight_key in state and family.lm_head_weight_key not in sources:
-        sources[family.lm_head_weight_key] = [family.embed_weight_key]  # tied: the lm_head is the embedding
-    missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
-    if missing or key_map.unexpected:
-        raise CaptureError(
-            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its config.json "
-            f"(missing: {_few(missing)}; unexpected: {_few(key_map.unexpected)}). Re-save the target with "
-            "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
-        )
 
     # Plan the reads: per file, (checkpoint key, model tensor, slice). A converted tensor (fused experts)
     # gathers one piece per owned expert; the pieces may sit in several files.
