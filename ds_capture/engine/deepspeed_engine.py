@@ -16,6 +16,7 @@ fill from safetensors slices (:mod:`.loading`). A world of one is plain ``from_p
 from __future__ import annotations
 
 from collections.abc import Mapping
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,8 @@ def apply_autotp(model: nn.Module, *, tp_group: Any, dp_group: Any, dtype: torch
     )
     module = engine.module
     restore_tensor_layout(module, layout)
+    if dtype != torch.float32:
+        reduce_row_parallel_in_fp32(module)
     empty = [name for name, param in module.named_parameters() if 0 in param.shape]
     if empty:
         raise CaptureError(
@@ -122,6 +125,32 @@ def apply_autotp(model: nn.Module, *, tp_group: Any, dp_group: Any, dtype: torch
             f"{', '.join(empty[:4])}: lower tp_grain_size (1 always splits evenly) or the tp_size."
         )
     return module
+
+
+def reduce_row_parallel_in_fp32(model: nn.Module) -> None:
+    """Row-parallel layers compute their partial products in fp32, all-reduce in fp32, round once.
+
+    One process's bf16 matmul accumulates in fp32 and rounds once. AutoTP's default rounds each rank's
+    partial sum to bf16 and then sums those, which flips near-tie router choices (measured: up to 5.75%
+    of a layer's tokens). bf16 values are exact in fp32, so here only the fp32 summation order differs
+    from one process before the single rounding. That costs an fp32 matmul in o_proj / down_proj.
+    """
+    from deepspeed.module_inject.layers import LinearAllreduce, LmHeadLinearAllreduce
+
+    for module in model.modules():
+        if isinstance(module, LinearAllreduce) and not isinstance(module, LmHeadLinearAllreduce):
+            module.forward = types.MethodType(_fp32_row_parallel_forward, module)
+
+
+def _fp32_row_parallel_forward(self, input: torch.Tensor) -> torch.Tensor:
+    from deepspeed.module_inject.layers import RowParallel
+
+    output = torch.matmul(input.float(), self.weight.float().transpose(-1, -2))
+    if self.mp_group is not None:
+        output = RowParallel.apply(self.mp_group, output, True)  # collective: every TP rank, same shapes
+    if self.bias is not None:
+        output = output + self.bias.float()
+    return output.to(input.dtype)
 
 
 def _tp_grain_size(ds_config: Mapping[str, Any] | None) -> int:
