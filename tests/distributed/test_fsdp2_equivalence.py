@@ -84,9 +84,10 @@ def test_fsdp2_world2_cache_equals_single_process(tiny_target, tmp_path: Path, m
 
 
 @pytest.mark.timeout(240)
-def test_fsdp2_world4_cache_equals_single_process(tiny_target, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_fsdp2_world4_cache_equals_single_process(tiny_target, tmp_path: Path, model_type: str) -> None:
     # 3 shards over 4 ranks: rank 3 has no data at all and runs only padding forwards.
-    target = tiny_target("qwen3")
+    target = tiny_target(model_type)
     _assert_equal(_fsdp2_cache(tmp_path, target, 4), _single_cache(tmp_path, target), 4)
 
 
