@@ -29,6 +29,7 @@ from torch import nn
 from ds_capture.engine.loading import (
     LoadStats,
     _convert,
+    _copy_into,
     _Owned,
     _owned_expert_keys,
     _read,
@@ -165,16 +166,7 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
                     if len(pieces[name]) < num_pieces[name]:
                         continue
                     tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
-                _copy_local(destinations[name], tensor, name, key)
+                _copy_into(destinations[name], tensor, name, key)
         stats.num_files += 1
     assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
     return stats
-
-
-def _copy_local(destination: torch.Tensor, tensor: torch.Tensor, name: str, key: str) -> None:
-    if destination.shape != tensor.shape:
-        raise CaptureError(
-            f"{key}: checkpoint slice has shape {tuple(tensor.shape)} but this rank's shard of {name} is "
-            f"{tuple(destination.shape)}; the checkpoint does not match its config.json."
-        )
-    destination.copy_(tensor)  # casts to the model's dtype, as from_pretrained(dtype=...) does
