@@ -25,7 +25,7 @@ from launchers import REPO_ROOT, run_launcher  # noqa: E402
 from support import record  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
-from test_families import randomize_hash_routes, to_release_layout  # noqa: E402
+from test_families import family_target_builder  # noqa: E402
 
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
@@ -52,19 +52,7 @@ REFUSED_CASES = [
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    from ds_capture.demo import build_tiny_target
-
-    root = tmp_path_factory.mktemp("layout_targets")
-    built: dict[str, Path] = {}
-
-    def make(model_type: str) -> Path:
-        if model_type not in built:
-            built[model_type] = build_tiny_target(root / model_type, model_type, seed=0)
-            randomize_hash_routes(built[model_type])
-            to_release_layout(built[model_type])
-        return built[model_type]
-
-    return make
+    return family_target_builder(tmp_path_factory.mktemp("layout_targets"))
 
 
 def _recipe(target: Path, out: Path, tp_size: int, ep_size: int) -> Path:

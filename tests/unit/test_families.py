@@ -72,9 +72,14 @@ def to_release_layout(target: Path) -> None:
 @pytest.fixture(scope="module")
 def family_target(tmp_path_factory):
     """``family_target(model_type) -> checkpoint dir`` (DeepSeek-V4: hash routes randomised), built once."""
+    return family_target_builder(tmp_path_factory.mktemp("family_targets"))
+
+
+def family_target_builder(root: Path):
+    """``make(model_type) -> checkpoint dir`` under ``root``, built once per type: a tiny target with
+    DeepSeek-V4's hash routes randomised and its checkpoint in the release layout."""
     from ds_capture.demo import build_tiny_target
 
-    root = tmp_path_factory.mktemp("family_targets")
     built: dict[str, Path] = {}
 
     def make(model_type: str) -> Path:
