@@ -84,6 +84,19 @@ class Workload:
             shuffle_seed=42, mask_reasoning_content=False, mask_generation_prompt=False, chat_template_sha256="",
         )
 
+    def describe(self) -> dict:
+        """The workload's fields every benchmark's JSON starts with."""
+        return {
+            "model_type": self.target.model_type,
+            "samples": self.num_samples,
+            "seq_length": self.seq_length,
+            "micro_batch_size": self.micro_batch_size,
+            "shard_size": self.shard_size,
+            "threads": torch.get_num_threads(),
+            "dtype": "fp32",
+            "tokens": self.num_tokens,
+        }
+
     def model(self) -> torch.nn.Module:
         from ds_capture.engine.single import build_single_model
 

@@ -122,14 +122,7 @@ def main() -> None:
     ratio = median(seconds["baseline"]) / median(seconds["run_capture"])
     print(json.dumps({
         "benchmark": "end_to_end",
-        "model_type": work.target.model_type,
-        "samples": work.num_samples,
-        "seq_length": work.seq_length,
-        "micro_batch_size": work.micro_batch_size,
-        "shard_size": work.shard_size,
-        "threads": torch.get_num_threads(),
-        "dtype": "fp32",
-        "tokens": work.num_tokens,
+        **work.describe(),
         "baseline": summary(seconds["baseline"], work.num_tokens),
         "run_capture": summary(seconds["run_capture"], work.num_tokens),
         "content_max_abs_diff_shard0_last": max_diff,

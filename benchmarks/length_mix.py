@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from common import FIXED, TRIMMED, base_parser, capture_loop, interleaved, median, summary, workload
 
@@ -39,14 +38,7 @@ def main() -> None:
     ratio = median(seconds["fixed_padding"]) / median(seconds["trimmed_sorted"])
     print(json.dumps({
         "benchmark": "length_mix",
-        "model_type": work.target.model_type,
-        "samples": work.num_samples,
-        "seq_length": work.seq_length,
-        "micro_batch_size": work.micro_batch_size,
-        "shard_size": work.shard_size,
-        "threads": torch.get_num_threads(),
-        "dtype": "fp32",
-        "tokens": work.num_tokens,
+        **work.describe(),
         "mean_length_fraction": round(float(lengths.mean()) / work.seq_length, 3),
         "positions_computed": computed,
         "trimmed_sorted": summary(seconds["trimmed_sorted"], work.num_tokens),

@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from common import TRIMMED, base_parser, capture_loop, interleaved, median, micro_batch, summary, workload
 
@@ -101,15 +100,9 @@ def main() -> None:
     ratio = median(seconds["asynchronous"]) / bound
     print(json.dumps({
         "benchmark": "writer_overlap",
-        "model_type": work.target.model_type,
-        "samples": work.num_samples,
-        "seq_length": work.seq_length,
-        "micro_batch_size": work.micro_batch_size,
-        "shard_size": work.shard_size,
+        **work.describe(),
         "num_shards": num_shards,
         "queue_shards": args.queue_shards,
-        "threads": torch.get_num_threads(),
-        "tokens": work.num_tokens,
         "shard_bytes_total": shard_bytes,
         "compute_calibration_seconds": [round(x, 3) for x in compute_calibration],
         "write_seconds_per_shard_target": round(per_shard, 4),
