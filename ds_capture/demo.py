@@ -27,6 +27,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_capture.errors import CaptureError
+from ds_capture.families import FAMILIES
 
 DEMO_TARGET = "demo:qwen3_moe_tiny"
 DEMO_DATA = "demo:conversations"
@@ -114,6 +115,22 @@ TINY_CONFIGS: dict[str, dict] = {
             layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
         ),
         vision_config=None, audio_config=None,
+    ),
+    # Kimi-K2.5: a DeepSeek-V3 text decoder in the vision-language wrapper, with a one-block vision tower
+    # (dropped at capture; kept here so the checkpoint has the release's layout).
+    "kimi_k25": dict(
+        tie_word_embeddings=False, projection_hidden_size=32,
+        text_config=dict(
+            model_type="deepseek_v3", vocab_size=2048, hidden_size=64, intermediate_size=128,
+            moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096,
+            initializer_range=0.15, rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=False,
+            pad_token_id=0, eos_token_id=2, bos_token_id=None,
+        ),
+        vision_config=dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                           intermediate_size=64, pos_emb_height=4, pos_emb_width=4, pos_emb_time=1),
     ),
 }
 
@@ -221,7 +238,8 @@ def build_tiny_target(
     )
     config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **special_ids, **config_overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype).eval()
+    auto_class = getattr(transformers, FAMILIES[model_type].auto_class)  # Kimi-K2.5: the vision-language class
+    model = auto_class.from_config(config, dtype=torch.float32).to(dtype).eval()
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
     )

@@ -36,6 +36,10 @@ class Family:
     """``config.model_type`` of the checkpoint (the outer one for multimodal wrappers)."""
     text_config_attr: str | None = None
     """Attribute of the config holding the text decoder's config (``None``: the config itself)."""
+    auto_class: str = "AutoModelForCausalLM"
+    """The transformers auto class whose mapping builds the model (a multimodal wrapper's own class)."""
+    drop_modules: tuple[str, ...] = ()
+    """Submodules text capture never runs (a vision tower): removed before loading, their weights never read."""
     layers: str = "model.layers"
     """The ``nn.ModuleList`` of decoder layers."""
     final_norm: str = "model.norm"
@@ -68,6 +72,18 @@ class Family:
     def text_config(self, config: Any) -> Any:
         """The text decoder's config object (``config`` itself for plain causal LMs)."""
         return getattr(config, self.text_config_attr) if self.text_config_attr else config
+
+    def model_class(self, config: Any) -> type:
+        """The model class ``auto_class`` maps ``config`` to (importing its modeling module)."""
+        import transformers
+
+        return getattr(transformers, self.auto_class)._model_mapping[type(config)]
+
+    def drop_unused_modules(self, model: torch.nn.Module) -> None:
+        """Remove ``drop_modules`` from ``model`` (the forward skips them when given token ids only)."""
+        for path in self.drop_modules:
+            parent, _, leaf = path.rpartition(".")
+            setattr(get_submodule(model, parent) if parent else model, leaf, None)
 
     @property
     def is_moe(self) -> bool:
@@ -136,14 +152,18 @@ FAMILIES: dict[str, Family] = {
             + " Gemma 4's MoE variant keeps its experts on the decoder layer itself, which the expert-parallel "
             "layer does not handle.",
         ),
+        # Kimi-K2.5 / K2.6: a DeepSeek-V3 text decoder under `model.language_model` of the vision-language
+        # wrapper (AutoModelForCausalLM has no mapping for it). The vision tower and projector are dropped:
+        # text capture never runs them. On disk: `language_model.model.layers...`, `language_model.lm_head`;
+        # transformers' conversion mapping renames them.
         Family(
-            model_type="kimi_k25",
-            refusal=(
-                "model_type {model_type!r} (Kimi-K2.5) is a vision-language wrapper whose text decoder "
-                "transformers does not load as a causal LM (AutoModelForCausalLM has no mapping for it). Its text "
-                "decoder is a DeepSeek-V3 model: save text_config as config.json with the language_model.* "
-                "weights as a deepseek_v3 checkpoint, which is supported (it is the Kimi-K2 layout)."
-            ),
+            model_type="kimi_k25", text_config_attr="text_config", auto_class="AutoModelForImageTextToText",
+            drop_modules=("model.vision_tower", "model.mm_projector"),
+            layers="model.language_model.layers", final_norm="model.language_model.norm",
+            embed_tokens="model.language_model.embed_tokens",
+            embed_weight_key="language_model.model.embed_tokens.weight",
+            lm_head_weight_key="language_model.lm_head.weight",
+            moe_block="mlp", num_experts_key="n_routed_experts",
         ),
         Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
     )
@@ -194,6 +214,7 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
     except json.JSONDecodeError as error:
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
     family = get_family(model_type, source=str(config_path))
+    _refuse_quantized(config_path)
     try:
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, TypeError) as error:
@@ -212,6 +233,22 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
         num_experts=int(num_experts) if num_experts else None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
+
+
+def _refuse_quantized(config_path: Path) -> None:
+    """A quantized checkpoint (FP8 / FP4 / INT4 weights with scales) is refused: the loaders copy plain tensors."""
+    raw = json.loads(config_path.read_text())
+    for where, section in (("", raw), ("text_config.", raw.get("text_config") or {})):
+        quantization = section.get("quantization_config") if isinstance(section, dict) else None
+        if quantization:
+            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+            raise CaptureError(
+                f"{config_path}: {where}quantization_config says the weights are quantized (quant_method "
+                f"{method!r}). ds_capture loads bf16 / fp16 / fp32 checkpoints and computes the target in "
+                "capture.compute_dtype; it does not dequantize. Convert the checkpoint to bf16 first (e.g. "
+                "DeepSeek's fp8_cast_bf16.py for FP8 releases), drop quantization_config from config.json, and "
+                "point recipe_args.target_model_name_or_path at the converted directory."
+            )
 
 
 def get_submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:

@@ -64,14 +64,14 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     import deepspeed
     import torch._dynamo  # noqa: F401  -- import before OnDevice patches Tensor.__new__ (dynamo rejects it)
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = transformers.AutoConfig.from_pretrained(target.path)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the modeling module outside OnDevice
+    model_class = target.family.model_class(config)  # imports the modeling module outside OnDevice
     with deepspeed.OnDevice(dtype=None, device="meta"):
         model = model_class._from_config(config, dtype=dtype)
+    target.family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
 
 
@@ -173,8 +173,8 @@ class _KeyMap:
     unexpected: list[str]
 
 
-def _map_checkpoint_keys(model: nn.Module, keys: list[str]) -> _KeyMap:
-    """Group checkpoint keys by the model tensor they become."""
+def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = ()) -> _KeyMap:
+    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
 
@@ -200,6 +200,9 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str]) -> _KeyMap:
         prefixed = f"{model.base_model_prefix}.{renamed}"
         if renamed not in model_names and prefixed in model_names:
             renamed = prefixed
+        if any(renamed.startswith(module + ".") for module in dropped):
+            pattern_of.pop(key, None)
+            continue
         if matched is not None:
             converter_of[renamed] = matched
         if renamed in model_names:
@@ -226,12 +229,13 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo, layout: Any) -> tup
     naming them. A tied lm_head takes the embedding's key.
     """
     index = _checkpoint_index(target.path)
-    key_map = _map_checkpoint_keys(model, list(index))
+    family = target.family
+    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules)
     sources = key_map.sources
     state = model.state_dict(keep_vars=True)
-    family = target.family
-    if target.tie_word_embeddings and family.lm_head_weight_key in state and family.lm_head_weight_key not in sources:
-        sources[family.lm_head_weight_key] = [family.embed_weight_key]  # tied: the lm_head is the embedding
+    lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
+    if target.tie_word_embeddings and lm_head in state and lm_head not in sources and embed in sources:
+        sources[lm_head] = sources[embed]  # tied: the lm_head is the embedding
     missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
     if missing or key_map.unexpected:
         raise CaptureError(

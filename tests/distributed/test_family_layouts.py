@@ -36,9 +36,16 @@ EQUAL_CASES = [
     ("deepseek_v4", "dp", 2, 1, 1),
     ("glm_moe_dsa", "ep", 2, 1, 2),
     ("gemma4", "dp", 2, 1, 1),
+    ("glm_moe_dsa", "dp", 2, 1, 1),
+    ("kimi_k25", "dp", 2, 1, 1),
+    ("kimi_k25", "ep", 2, 1, 2),
+    ("kimi_k25", "tp", 2, 2, 1),
+    ("kimi_k25", "tp_x_ep", 4, 2, 2),
+    ("mixtral", "dp", 2, 1, 1),
     ("mixtral", "ep", 2, 1, 2),
     ("mixtral", "tp", 2, 2, 1),
     ("mixtral", "tp_x_ep", 4, 2, 2),
+    ("qwen3", "dp", 2, 1, 1),
     ("qwen3", "tp", 2, 2, 1),
 ]
 # Refused before any weight loads: (model_type, layout, nproc, tp_size, ep_size, exact message).

@@ -2,7 +2,8 @@
 
 Per family, a tiny random-init checkpoint (``ds_capture.demo.TINY_CONFIGS``, sharded safetensors) is captured
 by ``run_capture`` (4 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``) and compared with
-``AutoModelForCausalLM.from_pretrained(...)(output_hidden_states=True)`` run row by row on the row's content:
+``AutoModelForCausalLM.from_pretrained(...)(output_hidden_states=True)`` (Kimi-K2.5: the whole vision-language
+model through ``AutoModelForImageTextToText``, vision tower included) run row by row on the row's content:
 id ``i`` = ``hidden_states[i+1]``, id ``L-1`` = the post-final-norm state; DeepSeek-V4 hyper-connection states
 ``[B, S, hc, H]`` are reduced here by their mean over hc (the reference does not use the registry's reducer).
 Tolerance (fp32, batched vs per-row forwards): ``max|a-b| <= 1e-5 * max(1, max|a|)``.
@@ -18,7 +19,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
@@ -26,7 +27,8 @@ from ds_capture.families import FAMILIES, get_family, read_target_info
 from ds_capture.plan import build_plan
 from ds_capture.runner import _check_family_layout, run_capture
 
-SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4")
+SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25")
+REFERENCE_CLASS = {"kimi_k25": AutoModelForImageTextToText}  # the reference loads what transformers loads
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
 
@@ -46,26 +48,30 @@ def randomize_hash_routes(target: Path, seed: int = 0) -> None:
 
 
 def to_release_layout(target: Path) -> None:
-    """Rename a DeepSeek-V4 checkpoint saved by transformers 5.24 to DeepSeek's release layout.
+    """Rename a DeepSeek-V4 or Kimi-K2.5 checkpoint saved by transformers 5.24 to the release layout.
 
-    transformers saves ``model.norm.weight``, which its own conversion mapping then renames to
+    DeepSeek-V4: transformers saves ``model.norm.weight``, which its own conversion mapping then renames to
     ``model.kv_norm.weight`` (its ``.norm.`` -> ``.kv_norm.`` rule is meant for the compressor), so such a
     checkpoint does not reload exactly; the release stores base-model keys without the ``model.`` prefix.
+    Kimi-K2.5: transformers saves the text layers as ``language_model.model.blocks.N`` (its vision
+    ``blocks`` -> ``layers`` rule reversed); the release has ``language_model.model.layers.N``.
     """
-    renames = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
-               "hc_head.hc_scale": "hc_head_scale"}
+    model_type = json.loads((target / "config.json").read_text())["model_type"]
+    if model_type == "kimi_k25":
+        _rename_keys(target, lambda key: key.replace("language_model.model.blocks.", "language_model.model.layers."))
+    elif model_type == "deepseek_v4":
+        renames = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
+                   "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+        _rename_keys(target, lambda key: renames.get(key.removeprefix("model."), key.removeprefix("model.")))
+
+
+def _rename_keys(target: Path, rename) -> None:
+    """Apply ``rename`` to every checkpoint key, in the safetensors files and the index."""
+    for file in sorted(target.glob("*.safetensors")):
+        save_file({rename(key): tensor for key, tensor in load_file(file).items()}, file, metadata={"format": "pt"})
     index_path = target / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    if json.loads((target / "config.json").read_text())["model_type"] != "deepseek_v4":
-        return
-    for file in sorted(target.glob("*.safetensors")):
-        tensors = {}
-        for key, tensor in load_file(file).items():
-            bare = key.removeprefix("model.")
-            tensors[renames.get(bare, bare)] = tensor
-        save_file(tensors, file, metadata={"format": "pt"})
-    index["weight_map"] = {renames.get(k.removeprefix("model."), k.removeprefix("model.")): v
-                           for k, v in index["weight_map"].items()}
+    index["weight_map"] = {rename(key): file for key, file in index["weight_map"].items()}
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
@@ -134,7 +140,8 @@ def test_single_process_cache_equals_hf_hidden_states(family_target, tmp_path, m
 
     shard = load_file(cache / "shard-000000.safetensors")
     hidden_size = text["hidden_size"]
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    reference_class = REFERENCE_CLASS.get(model_type, AutoModelForCausalLM)
+    model = reference_class.from_pretrained(str(target), dtype=torch.float32).eval()
     pad_id = config["pad_token_id"] if "pad_token_id" in config else text["pad_token_id"]
     for row, input_ids in enumerate(shard["input_ids"]):
         length = int((input_ids != pad_id).nonzero().max()) + 1  # content = all but the trailing pad run
@@ -163,6 +170,32 @@ def test_gemma4_sizes_come_from_text_config(family_target):
     assert info.num_experts is None and info.family.text_config_attr == "text_config"
 
 
+def test_kimi_k25_loads_its_text_decoder_only(family_target):
+    """Kimi-K2.5: sizes from text_config; release keys (`language_model.model.layers...`); the vision tower and
+    projector are dropped and their weights never read; the sharded loader fills exactly what HF loads."""
+    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+    from ds_capture.engine.single import build_single_model
+
+    target = family_target("kimi_k25")
+    info = read_target_info(target)
+    assert (info.hidden_size, info.num_hidden_layers, info.num_experts, info.vocab_size) == (64, 4, 8, 2048)
+    weight_map = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in weight_map
+    assert not any(key.startswith("language_model.model.blocks.") for key in weight_map)
+
+    single = build_single_model(info, dtype=torch.float32, attn_implementation=None)
+    assert single.model.vision_tower is None and single.model.mm_projector is None
+    meta = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
+    stats = load_owned_parameters(meta, info)
+    expected, loaded = single.state_dict(), meta.state_dict()
+    assert sorted(expected) == sorted(loaded)
+    assert all(torch.equal(expected[name], loaded[name]) for name in expected)
+    text_bytes = sum(t.numel() * t.element_size() for name, t in loaded.items() if "rotary" not in name)
+    assert stats.bytes_read == text_bytes  # nothing of the vision tower / projector was read
+    full = AutoModelForImageTextToText.from_pretrained(str(target), dtype=torch.float32)
+    assert sum(p.numel() for p in full.parameters()) > sum(p.numel() for p in meta.parameters())
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 
@@ -172,13 +205,6 @@ def test_multimodal_only_targets_are_refused():
     assert str(caught.value) == (
         "config.json: model_type 'minimax_m3_vl' is a multimodal-only target: its cache would not be text-only, "
         "which the DSpark cache format (v1) cannot represent. Use a text-only target checkpoint.")
-    with pytest.raises(CaptureError) as caught:
-        get_family("kimi_k25")
-    assert str(caught.value) == (
-        "config.json: model_type 'kimi_k25' (Kimi-K2.5) is a vision-language wrapper whose text decoder "
-        "transformers does not load as a causal LM (AutoModelForCausalLM has no mapping for it). Its text decoder "
-        "is a DeepSeek-V3 model: save text_config as config.json with the language_model.* weights as a "
-        "deepseek_v3 checkpoint, which is supported (it is the Kimi-K2 layout).")
 
 
 def test_unknown_family_lists_the_supported_ones():
@@ -230,3 +256,22 @@ def test_gemma4_expert_parallel_is_refused_as_dense(family_target):
         "model_type 'gemma4' is registered as a dense family here: it has no routed experts to shard. Keep ep_size "
         "1 (use tp_size or data parallelism). Gemma 4's MoE variant keeps its experts on the decoder layer itself, "
         "which the expert-parallel layer does not handle.")
+
+
+@pytest.mark.parametrize("model_type, where", [("deepseek_v3", ""), ("kimi_k25", "text_config.")])
+def test_quantized_checkpoints_are_refused_before_loading(family_target, tmp_path, model_type, where):
+    """FP8 / INT4 releases carry quantization_config; the loaders copy plain tensors, so they are refused."""
+    target = tmp_path / model_type
+    target.mkdir()
+    config = json.loads((family_target(model_type) / "config.json").read_text())
+    section = config["text_config"] if where else config
+    section["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CaptureError) as caught:
+        read_target_info(target)
+    assert str(caught.value) == (
+        f"{target / 'config.json'}: {where}quantization_config says the weights are quantized (quant_method 'fp8'). "
+        "ds_capture loads bf16 / fp16 / fp32 checkpoints and computes the target in capture.compute_dtype; it does "
+        "not dequantize. Convert the checkpoint to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py for FP8 releases), "
+        "drop quantization_config from config.json, and point recipe_args.target_model_name_or_path at the "
+        "converted directory.")
