@@ -102,6 +102,11 @@ _AUTOTP_MISSHARDS = (
     "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and shard the routed experts with "
     "ep_size instead (data parallel x expert parallel)."
 )
+_AUTOTP_MISSHARDS_DENSE = (
+    "DeepSpeed AutoTP mis-shards {what} of model_type {model_type!r} (the sharded forward dies with shape "
+    "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and scale with data parallelism, or "
+    "shard every parameter over the ranks with engine: fsdp2."
+)
 _DENSE_ONLY = (
     "model_type {model_type!r} is registered as a dense family here: it has no routed experts to shard. "
     "Keep ep_size 1 (use tp_size or data parallelism)."
@@ -143,10 +148,8 @@ FAMILIES: dict[str, Family] = {
             embed_tokens="model.language_model.embed_tokens",
             embed_weight_key="model.language_model.embed_tokens.weight",
             supports_tp=False,
-            tp_refusal=(
-                "DeepSpeed AutoTP is not verified for model_type 'gemma4' (per-layer input embeddings, shared-KV "
-                "layers and q/k norms over the head dim). Keep tp_size 1 and scale with data parallelism."
-            ),
+            tp_refusal=_AUTOTP_MISSHARDS_DENSE.format(what="the per-layer input gate (per_layer_input_gate)",
+                                                      model_type="gemma4"),
             supports_ep=False,
             ep_refusal=_DENSE_ONLY.format(model_type="gemma4")
             + " Gemma 4's MoE variant keeps its experts on the decoder layer itself, which the expert-parallel "

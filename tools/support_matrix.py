@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from ds_capture.families import FAMILIES  # noqa: E402
 
-LAYOUTS = (("single", "single"), ("dp", "DP"), ("tp", "TP"), ("ep", "EP"), ("tp_x_ep", "TP x EP"))
+LAYOUTS = (("single", "single"), ("dp", "DP"), ("tp", "TP"), ("ep", "EP"), ("tp_x_ep", "TP x EP"),
+           ("fsdp2", "FSDP2"))
 SHOWN = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
          "minimax_m3_vl")
 
@@ -62,6 +63,7 @@ def render(results: dict) -> str:
     rule = "|---" * (len(LAYOUTS) + 1) + "|"
     rows = [f"| `{m}` | " + " | ".join(cell(m, layout, results) for layout, _ in LAYOUTS) + " |" for m in SHOWN]
     legend = ("yes (d): the cache equals the single-process cache, max |a-b| / max(1, max|a|) = d (fp32, CPU/gloo); "
+              "DP, TP, EP: engine deepspeed; FSDP2: engine fsdp2 on 2 ranks; "
               "untested: allowed but not covered by tests/distributed/test_family_layouts.py yet.")
     return "\n".join([header, rule, *rows, "", legend, "", *notes(results)])
 

@@ -101,7 +101,7 @@ def apply_autotp(model: nn.Module, *, tp_group: Any, dp_group: Any, dtype: torch
     """DeepSpeed AutoTP on a meta model; returns the (unwrapped) module with its shards allocated, unfilled.
 
     ``init_inference`` casts the whole module to ``dtype`` (``module.bfloat16()``) and ``to_empty``-s it;
-    the model's own fp32 islands (DeepSeek's router) and host buffers (rotary ``inv_freq``) are put back.
+    the model's own fp32 islands (DeepSeek's router) keep their dtype; buffers are filled at load.
     """
     import deepspeed
 

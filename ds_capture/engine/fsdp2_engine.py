@@ -6,8 +6,8 @@ Out: the plain Hugging Face causal LM (module paths unchanged, so hooks and the 
      every decoder layer and then the root wrapped by ``fully_shard`` on a 1-D mesh over the whole world,
      frozen and in eval mode. Each rank holds, and read from disk, only its dim-0 chunk of every parameter.
 
-Steps (the torchtitan recipe): build on meta (:func:`~ds_capture.engine.loading.build_meta_model`, which
-keeps the rotary ``inv_freq`` buffers real), :func:`apply_fsdp`, ``to_empty``, then
+Steps (the torchtitan recipe): build on meta (:func:`~ds_capture.engine.loading.build_meta_model`),
+:func:`apply_fsdp`, ``to_empty``, the config-computed buffers (rotary ``inv_freq``), then
 :func:`load_fsdp_shards` fills each local shard from ``safe_open(...).get_slice`` with transformers' own
 checkpoint-name mapping (per-expert ``experts.E.gate_proj.weight`` on disk -> fused ``experts.gate_up_proj``).
 
@@ -35,6 +35,7 @@ from ds_capture.engine.loading import (
     _read,
     build_meta_model,
     checkpoint_sources,
+    compute_host_buffers,
     record_tensor_layout,
     restore_tensor_layout,
 )
@@ -109,8 +110,8 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
 
     Parameters are FSDP2 DTensors: this rank reads rows ``[start, start + n)`` of each checkpoint tensor
     (experts ``[start, start + n)`` for fused expert tensors, opening only those experts' per-expert
-    tensors). Buffers are not sharded: persistent ones are read whole, host-computed ones (rotary
-    ``inv_freq``) keep their values. Files are mapped one at a time; every read is cloned out of the map.
+    tensors). Buffers are not sharded: persistent ones are read whole, non-persistent ones (rotary
+    ``inv_freq``) are computed by the model's own ``_init_weights``. Files are mapped one at a time; every read is cloned out of the map.
     """
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
@@ -119,11 +120,9 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     layout = record_tensor_layout(model)
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
     restore_tensor_layout(model, layout)
-    for name, saved in layout.host_buffers.items():  # restore_tensor_layout puts them back on the host
-        module_name, _, leaf = name.rpartition(".")
-        model.get_submodule(module_name)._buffers[leaf] = saved.to(device)
+    compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
-    index, key_map, state = checkpoint_sources(model, target, layout)
+    index, key_map, state = checkpoint_sources(model, target)
     sources, converter_of = key_map.sources, key_map.converter_of
 
     # Plan the reads per file: (checkpoint key, model tensor, this rank's dim-0 cut or None for whole).

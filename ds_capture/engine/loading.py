@@ -2,9 +2,10 @@
 
 In:  a :class:`~ds_capture.families.TargetInfo` (checkpoint dir: ``config.json`` + ``*.safetensors``), and a
      model that is plain Hugging Face or already sharded (AutoTP layers, expert-parallel experts).
-Out: :func:`build_meta_model` -> the model on ``meta`` with its host-computed buffers (rotary ``inv_freq``)
-     real; :func:`load_owned_parameters` -> the same model materialised on CPU with every parameter and
-     persistent buffer filled, plus :class:`LoadStats` (bytes read, per parameter).
+Out: :func:`build_meta_model` -> the model on ``meta`` (parameters and buffers); :func:`load_owned_parameters`
+     -> the same model materialised on CPU with every parameter and persistent buffer filled from the
+     checkpoint and every non-persistent buffer (rotary ``inv_freq``, embedding scales) computed by the model's
+     own ``_init_weights`` (:func:`compute_host_buffers`), plus :class:`LoadStats` (bytes read, per parameter).
 
 What a rank owns is read off the model itself, so the loader needs no plan:
   * an AutoTP layer (``deepspeed.module_inject.layers.TensorParallel_Layer``) publishes its partition dim
@@ -54,22 +55,21 @@ class _Owned:
 
 
 def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The target's CausalLM on ``meta`` (no weight memory), with host-computed buffers initialised.
+    """The target's model class (the family's auto class) on ``meta``: no weight memory, buffers on meta too.
 
-    Built under ``deepspeed.OnDevice(dtype=None, device="meta")``: parameters land on meta while
-    buffers computed from the config (rotary ``inv_freq``) stay real; plain ``torch.device("meta")``
-    leaves them uninitialised (DESIGN §6). ``dtype=None`` keeps the model's own fp32 islands
-    (DeepSeek's router) exactly as ``from_pretrained(dtype=...)`` does.
+    Built under ``torch.device("meta")``, as ``from_pretrained`` builds it; the model's own fp32 islands
+    (DeepSeek's router) keep their dtype. Buffers computed from the config are filled after
+    materialisation by :func:`compute_host_buffers`. (``deepspeed.OnDevice`` keeps them real, but it
+    only redirects ``empty`` / ``zeros`` / ``ones`` / ``full``, so Gemma 4's rotary init, which
+    concatenates an ``arange`` with ``zeros``, fails under it.)
     """
-    import deepspeed
-    import torch._dynamo  # noqa: F401  -- import before OnDevice patches Tensor.__new__ (dynamo rejects it)
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(target.path)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_class = target.family.model_class(config)  # imports the modeling module outside OnDevice
-    with deepspeed.OnDevice(dtype=None, device="meta"):
+    model_class = target.family.model_class(config)
+    with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
     target.family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
@@ -77,25 +77,42 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
 
 @dataclass
 class TensorLayout:
-    """Dtypes of every parameter / buffer and copies of the real buffers, to survive ``to_empty`` and casts."""
+    """Dtypes of every parameter / buffer, to survive casts (``init_inference`` casts the whole module)."""
 
     dtypes: dict[str, torch.dtype]
-    host_buffers: dict[str, torch.Tensor]
 
 
 def record_tensor_layout(model: nn.Module) -> TensorLayout:
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return TensorLayout(
-        dtypes={name: t.dtype for name, t in tensors.items()},
-        host_buffers={name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta},
-    )
+    return TensorLayout(dtypes={name: t.dtype for name, t in tensors.items()})
+
+
+@torch.no_grad()
+def compute_host_buffers(model: nn.Module) -> None:
+    """Fill every non-persistent buffer (rotary ``inv_freq``, embedding scales) the way ``from_pretrained`` does.
+
+    These are computed from the config, not stored in the checkpoint: the model's own ``_init_weights`` runs on
+    each module that owns one. That module's parameters are flagged ``_is_hf_initialized`` for the call, which
+    transformers' init functions honour, so only the buffers change.
+    """
+    for module in model.modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        params = [p for p in module.parameters(recurse=False) if not getattr(p, "_is_hf_initialized", False)]
+        for param in params:
+            param._is_hf_initialized = True
+        try:
+            model._init_weights(module)
+        finally:
+            for param in params:
+                del param._is_hf_initialized
 
 
 @torch.no_grad()
 def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
-    """Undo what a whole-model cast did (``init_inference`` calls ``module.bfloat16()``) and restore real buffers.
+    """Undo what a whole-model cast did (``init_inference`` calls ``module.bfloat16()``).
 
-    Parameters and checkpoint buffers keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
+    Parameters and buffers keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
     """
     for name, param in model.named_parameters():
         if param.dtype != layout.dtypes[name]:
@@ -103,12 +120,10 @@ def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
             fresh = torch.empty(param.shape, dtype=layout.dtypes[name], device=param.device)
             setattr(model.get_submodule(module_name), leaf, nn.Parameter(fresh, requires_grad=False))
     for name, buffer in model.named_buffers():
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if name in layout.host_buffers:
-            module._buffers[leaf] = layout.host_buffers[name].clone()
-        elif buffer.dtype != layout.dtypes[name]:  # e.g. DeepSeek's fp32 e_score_correction_bias
-            module._buffers[leaf] = torch.empty(buffer.shape, dtype=layout.dtypes[name], device=buffer.device)
+        if buffer.dtype != layout.dtypes[name]:  # e.g. DeepSeek's fp32 e_score_correction_bias, rotary inv_freq
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[leaf] = torch.empty(buffer.shape, dtype=layout.dtypes[name],
+                                                                         device=buffer.device)
 
 
 def _owned_slices(model: nn.Module) -> dict[str, _Owned]:
@@ -222,7 +237,7 @@ def _read(handle: Any, key: str, owned: _Owned | None) -> torch.Tensor:
     return view[tuple(index)].clone()
 
 
-def checkpoint_sources(model: nn.Module, target: TargetInfo, layout: Any) -> tuple[dict[str, Path], _KeyMap, dict]:
+def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, Path], _KeyMap, dict]:
     """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
@@ -236,7 +251,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo, layout: Any) -> tup
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
     if target.tie_word_embeddings and lm_head in state and lm_head not in sources and embed in sources:
         sources[lm_head] = sources[embed]  # tied: the lm_head is the embedding
-    missing = sorted(name for name in state if name not in sources and name not in layout.host_buffers)
+    missing = sorted(name for name in state if name not in sources)
     if missing or key_map.unexpected:
         raise CaptureError(
             f"{target.path}: the checkpoint does not match the {target.model_type} model built from its config.json "
@@ -251,7 +266,7 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     """Materialise ``model`` on CPU and fill every parameter / persistent buffer from this rank's slices.
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are errors that name
-    them. Non-persistent buffers keep their host-computed values.
+    them. Non-persistent buffers are computed from the config (:func:`compute_host_buffers`).
     """
     from safetensors import safe_open
     from transformers.core_model_loading import MergeModulelist
@@ -261,8 +276,9 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model.to_empty(device="cpu")  # allocates only this rank's shards: the layout is already applied
         restore_tensor_layout(model, layout)
+    compute_host_buffers(model)
 
-    index, key_map, state = checkpoint_sources(model, target, layout)
+    index, key_map, state = checkpoint_sources(model, target)
     sources, converter_of = key_map.sources, key_map.converter_of
 
     # Plan the reads: per file, (checkpoint key, model tensor, slice). A converted tensor (fused experts)

@@ -18,3 +18,19 @@ def record(model_type: str, layout: str, entry: dict) -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     data.setdefault(model_type, {})[layout] = entry
     RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def max_rel_diff(a_dir: Path, b_dir: Path) -> float:
+    """Max over shards and keys of ``max|a-b| / max(1, max|a|)``; ids and masks must be identical."""
+    import torch
+    from safetensors.torch import load_file
+
+    names = sorted(p.name for p in a_dir.glob("shard-*.safetensors"))
+    assert names == sorted(p.name for p in b_dir.glob("shard-*.safetensors")) and names
+    worst = 0.0
+    for name in names:
+        a, b = load_file(a_dir / name), load_file(b_dir / name)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("target_hidden_states", "target_last_hidden_states"):
+            worst = max(worst, (a[key] - b[key]).abs().max().item() / max(1.0, a[key].abs().max().item()))
+    return worst

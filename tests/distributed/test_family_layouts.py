@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import REPO_ROOT, run_launcher  # noqa: E402
-from support import record  # noqa: E402
+from support import max_rel_diff, record  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
 from test_families import family_target_builder  # noqa: E402
@@ -30,7 +30,8 @@ from test_families import family_target_builder  # noqa: E402
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
 # (model_type, layout name, nproc, tp_size, ep_size): the supported layouts checked for equality.
-# Layout names: dp (2 DP ranks), tp (TP=2), ep (EP=2, 2 DP ranks), tp_x_ep (TP=2 x EP=2 on 4 ranks).
+# Layout names: dp (2 DP ranks), tp (TP=2), ep (EP=2, 2 DP ranks), tp_x_ep (TP=2 x EP=2 on 4 ranks),
+# fsdp2 (engine fsdp2 on 2 ranks; qwen3, qwen3_moe and deepseek_v3 are recorded by test_fsdp2_equivalence.py).
 EQUAL_CASES = [
     ("deepseek_v4", "ep", 2, 1, 2),
     ("deepseek_v4", "dp", 2, 1, 1),
@@ -47,6 +48,11 @@ EQUAL_CASES = [
     ("mixtral", "tp_x_ep", 4, 2, 2),
     ("qwen3", "dp", 2, 1, 1),
     ("qwen3", "tp", 2, 2, 1),
+    ("mixtral", "fsdp2", 2, 1, 1),
+    ("deepseek_v4", "fsdp2", 2, 1, 1),
+    ("glm_moe_dsa", "fsdp2", 2, 1, 1),
+    ("gemma4", "fsdp2", 2, 1, 1),
+    ("kimi_k25", "fsdp2", 2, 1, 1),
 ]
 # Refused before any weight loads: (model_type, layout, nproc, tp_size, ep_size, exact message).
 REFUSED_CASES = [
@@ -62,9 +68,10 @@ def targets(tmp_path_factory):
     return family_target_builder(tmp_path_factory.mktemp("layout_targets"))
 
 
-def _recipe(target: Path, out: Path, tp_size: int, ep_size: int) -> Path:
+def _recipe(target: Path, out: Path, tp_size: int, ep_size: int, engine: str = "deepspeed") -> Path:
     recipe = out.parent / f"{out.name}.yaml"
     recipe.write_text(yaml.safe_dump({
+        "engine": engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
@@ -93,19 +100,6 @@ def single_caches(targets, tmp_path_factory):
     return make
 
 
-def _max_rel_diff(a_dir: Path, b_dir: Path) -> float:
-    """Max over shards and keys of ``max|a-b| / max(1, max|a|)``; integer tensors must be identical."""
-    names = sorted(p.name for p in a_dir.glob("shard-*.safetensors"))
-    assert names == sorted(p.name for p in b_dir.glob("shard-*.safetensors")) and names
-    worst = 0.0
-    for name in names:
-        a, b = load_file(a_dir / name), load_file(b_dir / name)
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-        for key in ("target_hidden_states", "target_last_hidden_states"):
-            worst = max(worst, (a[key] - b[key]).abs().max().item() / max(1.0, a[key].abs().max().item()))
-    return worst
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model_type, layout, nproc, tp_size, ep_size", EQUAL_CASES,
@@ -114,13 +108,14 @@ def test_layout_equals_single_process(targets, single_caches, tmp_path, model_ty
     reference = single_caches(model_type)
     record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
     out = tmp_path / "cache"
-    result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size))
+    engine = "fsdp2" if layout == "fsdp2" else "deepspeed"
+    result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size, engine))
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["complete"] is True
+    assert manifest["complete"] is True and manifest["producer"]["engine"] == engine
     assert (manifest["tp_size"] if "tp_size" in manifest else manifest["producer"]["tp_size"]) == tp_size
-    diff = _max_rel_diff(reference, out)
+    diff = max_rel_diff(reference, out)
     record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                  "nproc": nproc, "tp_size": tp_size, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)

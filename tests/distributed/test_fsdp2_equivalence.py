@@ -20,6 +20,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
+from support import max_rel_diff, record  # noqa: E402
 
 from ds_capture.cache.compare import DEFAULT_TOLERANCES, compare_caches  # noqa: E402
 from ds_capture.cache.reader import read_manifest  # noqa: E402
@@ -80,7 +81,10 @@ def _assert_equal(fsdp2: Path, single: Path, nproc: int) -> None:
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_fsdp2_world2_cache_equals_single_process(tiny_target, tmp_path: Path, model_type: str) -> None:
     target = tiny_target(model_type)
-    _assert_equal(_fsdp2_cache(tmp_path, target, 2), _single_cache(tmp_path, target), 2)
+    fsdp2, single = _fsdp2_cache(tmp_path, target, 2), _single_cache(tmp_path, target)
+    _assert_equal(fsdp2, single, 2)
+    record(model_type, "fsdp2", {"status": "equal", "max_rel_diff": max_rel_diff(single, fsdp2), "nproc": 2,
+                                 "tp_size": 1, "ep_size": 1})  # the README table's FSDP2 column
 
 
 @pytest.mark.timeout(240)

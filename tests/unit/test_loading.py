@@ -15,6 +15,9 @@ from ds_capture.errors import CaptureError
 from ds_capture.families import read_target_info
 
 FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mixtral"]
+# Built through test_families' builder (release key layouts): their buffers include per-layer-type rotary
+# tables (DeepSeek-V4, Gemma 4) and Gemma 4's embedding scale, all computed at load by _init_weights.
+RELEASE_LAYOUT_FAMILIES = ["deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25"]
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -29,16 +32,38 @@ def test_meta_build_and_full_load_equal_from_pretrained(tiny_target, model_type,
     model = build_meta_model(target, dtype=dtype, attn_implementation=None)
     stats = load_owned_parameters(model, target)
 
+    _assert_same_model(model, reference, target.vocab_size)
+    assert stats.bytes_read == sum(
+        t.numel() * t.element_size() for t in _checkpoint_tensors(target.path).values()
+    )
+
+
+@pytest.fixture(scope="module")
+def release_target(tmp_path_factory):
+    from test_families import family_target_builder
+
+    return family_target_builder(tmp_path_factory.mktemp("release_targets"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", RELEASE_LAYOUT_FAMILIES)
+def test_meta_build_fills_config_computed_buffers_as_from_pretrained(release_target, model_type, dtype):
+    target = read_target_info(release_target(model_type))
+    model = build_meta_model(target, dtype=dtype, attn_implementation=None)
+    assert all(t.is_meta for t in model.buffers())
+    load_owned_parameters(model, target)
+    _assert_same_model(model, build_single_model(target, dtype=dtype, attn_implementation=None), target.vocab_size)
+
+
+def _assert_same_model(model: torch.nn.Module, reference: torch.nn.Module, vocab_size: int) -> None:
+    """Same parameter / buffer names, dtypes and values (none left on meta), and the same logits."""
     expected, actual = _tensors(reference), _tensors(model)
     assert sorted(actual) == sorted(expected)
     for name, tensor in expected.items():
         assert actual[name].dtype == tensor.dtype, name
         assert not actual[name].is_meta, name
         assert torch.equal(actual[name], tensor), name
-    assert stats.bytes_read == sum(
-        t.numel() * t.element_size() for t in _checkpoint_tensors(target.path).values()
-    )
-    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
