@@ -1,6 +1,8 @@
 """The same recipe gives the same cache whatever the DeepSpeed layout: 1 process, DP=2, TP=2, EP=2, TP=2 x EP=2.
 
-Targets: tiny random-init Qwen3-MoE and DeepSeek-V3 (hidden 64, 3 layers, 8 experts, sharded safetensors).
+Targets: tiny random-init Qwen3-MoE and DeepSeek-V3 (hidden 64, 3 layers, 8 experts, sharded safetensors) in
+every mode below; Mixtral, DeepSeek-V4, GLM-5 (glm_moe_dsa) and Kimi-K2.5 in ``bf16`` only, in the layouts
+their families support (``BF16_FAMILY_LAYOUTS``; their fp32 equality is test_family_layouts.py's).
 Data: the first 10 demo conversations, seq_length 40, micro-batch 2, shards of 4 (3 shards, the last one
 ragged). Every run is the real ``run_capture`` path; this file doubles as the worker that launches it
 (``python test_layouts.py worker SPECS OUT``): it wraps ``ds_capture.runner.build_model`` to put a forward
@@ -59,6 +61,17 @@ LAYOUTS = {  # layout -> (world, tp_size, ep_size)
     "tp2ep2": (4, 2, 2),  # EP groups = TP groups: experts and attention each split 2 ways, 2 replicas
     "tp2ep4": (4, 2, 4),  # experts over all 4 ranks, attention over 2: the 4-way TP x EP layout
 }
+# Every other MoE family, bf16 compute only, in the layouts it supports (test_family_layouts.py checks fp32):
+# every token's experts identical to the single process. Targets from test_families' builder (release key
+# layouts; DeepSeek-V4's hash routes randomised), 4 layers.
+BF16_FAMILY_LAYOUTS = {
+    "mixtral": ("ep2", "tp2ep2"),
+    "deepseek_v4": ("ep2",),
+    "glm_moe_dsa": ("ep2",),
+    "kimi_k25": ("ep2", "tp2ep2"),
+}
+BF16_CASES = [(m, layout) for m in MODEL_TYPES for layout in LAYOUTS] + [
+    (m, layout) for m, layouts in BF16_FAMILY_LAYOUTS.items() for layout in layouts]
 SUPPORT_LAYOUT = {"dp2": "dp", "tp2": "tp", "ep2": "ep", "tp2ep2": "tp_x_ep"}  # names in support_matrix.json
 TARGET_OVERRIDES = dict(num_hidden_layers=3)
 FP32_RTOL = 1e-5
@@ -133,6 +146,9 @@ import yaml  # noqa: E402
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import record  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_families import family_target_builder  # noqa: E402
+
 pytestmark = [pytest.mark.distributed]
 
 
@@ -159,13 +175,17 @@ def layout_runs(tiny_target, tmp_path_factory) -> Path:
     ensure_shm_op_built()
     root = tmp_path_factory.mktemp("layouts")
     targets = {model_type: tiny_target(model_type, **TARGET_OVERRIDES) for model_type in MODEL_TYPES}
+    family_target = family_target_builder(root / "family_targets")
+    runs = [(model_type, mode, layout) for model_type in MODEL_TYPES for mode in MODES for layout in ("single", *LAYOUTS)]
+    for model_type, layouts in BF16_FAMILY_LAYOUTS.items():
+        targets[model_type] = family_target(model_type)
+        runs += [(model_type, "bf16", layout) for layout in ("single", *layouts)]
     by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
-    for model_type, target in targets.items():
-        for mode in MODES:
-            for layout, (world, tp_size, ep_size) in {"single": (1, 1, 1), **LAYOUTS}.items():
-                name = f"{model_type}-{mode}-{layout}"
-                cfg = _recipe(root / f"{name}.yaml", target, root / name / "cache", mode, tp_size, ep_size)
-                by_world[world].append({"name": name, "config": str(cfg)})
+    for model_type, mode, layout in runs:
+        world, tp_size, ep_size = {"single": (1, 1, 1), **LAYOUTS}[layout]
+        name = f"{model_type}-{mode}-{layout}"
+        cfg = _recipe(root / f"{name}.yaml", targets[model_type], root / name / "cache", mode, tp_size, ep_size)
+        by_world[world].append({"name": name, "config": str(cfg)})
     for world, specs in by_world.items():
         specs_path = root / f"specs_w{world}.json"
         specs_path.write_text(json.dumps(specs))
@@ -309,8 +329,7 @@ def test_fp32_cache_equals_single_process(layout_runs, model_type, layout):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type, layout", BF16_CASES, ids=[f"{m}-{layout}" for m, layout in BF16_CASES])
 def test_bf16_compute_same_experts_and_states(layout_runs, model_type, layout):
     cache, routes = _case(layout_runs, model_type, "bf16", layout)
     tp_size = LAYOUTS[layout][1]
