@@ -2,7 +2,8 @@
 
 In:  nothing (a random-init Qwen3-MoE checkpoint of ~0.6 GB fp32 is built under /tmp and deleted after).
 Out: one JSON object on stdout (also benchmarks/results/load_memory.json): the checkpoint bytes; for
-     ``single`` (plain ``from_pretrained`` through ``ds_capture.engine.single.build_single_model``) and each
+     ``from_pretrained`` (plain Hugging Face, ``ds_capture.engine.single.load_with_from_pretrained``), ``single``
+     (the world-of-one engine: meta build + the sliced loader, ``build_single_model``) and each
      sharded layout (DeepSpeed engine, ``build_sharded_model`` in a torchrun worker), per rank:
        * ``code_import_mb``: RSS that importing the model's code adds (the transformers modeling module pulls
          ``torch._dynamo``; DeepSpeed's inference and AutoTP modules): ~110 MB, the same for any checkpoint;
@@ -39,14 +40,14 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def worker(target_dir: str, tp_size: int, ep_size: int) -> None:
+def worker(target_dir: str, tp_size: int, ep_size: int, hf: bool = False) -> None:
     """One rank: imports, process group, plan and groups (the baseline), then build_sharded_model."""
     import torch
 
     torch.set_num_threads(1)
     from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
     from ds_capture.engine.deepspeed_engine import build_sharded_model
-    from ds_capture.engine.single import build_single_model
+    from ds_capture.engine.single import build_single_model, load_with_from_pretrained
     from ds_capture.families import read_target_info
     from ds_capture.plan import ParallelPlan, build_plan, new_groups
 
@@ -67,7 +68,8 @@ def worker(target_dir: str, tp_size: int, ep_size: int) -> None:
         baseline_kb, baseline_hwm_kb = _status_kb("VmRSS"), _status_kb("VmHWM")
         bytes_read = None
         if env.world_size == 1:
-            model = build_single_model(target, dtype=torch.float32, attn_implementation=None)
+            build = load_with_from_pretrained if hf else build_single_model
+            model = build(target, dtype=torch.float32, attn_implementation=None)
         else:
             model, stats = build_sharded_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
                                                ds_config=None)
@@ -113,7 +115,7 @@ def main() -> None:
         checkpoint_mb = sum(p.stat().st_size for p in target.glob("*.safetensors")) / 2**20
         # (world, tp, ep). The goal follows how many ways the routed experts are split: tp2_ep2's EP group is
         # its TP group (2 ways, 2 replicas); tp2_ep4 and ep4 split them over all 4 ranks.
-        layouts = {"single": (1, 1, 1), "ep2": (2, 1, 2), "tp2_ep2": (4, 2, 2), "ep4": (4, 1, 4),
+        layouts = {"from_pretrained": (1, 1, 1), "single": (1, 1, 1), "ep2": (2, 1, 2), "tp2_ep2": (4, 2, 2), "ep4": (4, 1, 4),
                    "tp2_ep4": (4, 2, 4)}
         goals = {1: None, 2: 0.6, 4: 0.35}
         report = {"checkpoint_mb": round(checkpoint_mb, 1), "model": f"qwen3_moe hidden 512, {args.layers} layers, "
@@ -123,8 +125,8 @@ def main() -> None:
                   "layouts": {}}
         for name, (world, tp_size, ep_size) in layouts.items():
             kind = "single" if world == 1 else "torchrun"
-            result = run_launcher(kind, world, [__file__, "--worker", str(target), str(tp_size), str(ep_size)],
-                                  None, 600)
+            result = run_launcher(kind, world, [__file__, "--worker", str(target), str(tp_size), str(ep_size),
+                                                str(name == "from_pretrained")], None, 600)
             ranks = sorted((json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("MEM ")),
                            key=lambda r: r["rank"])
             entry: dict = {"world": world, "tp_size": tp_size, "ep_size": ep_size, "expert_ways": ep_size,
@@ -156,6 +158,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "True")
     else:
         main()

@@ -83,7 +83,9 @@ class TensorLayout:
 
 
 def record_tensor_layout(model: nn.Module) -> TensorLayout:
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    # Every name, shared ones included: a tied lm_head is listed under its own name once to_empty untied it.
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
     return TensorLayout(dtypes={name: t.dtype for name, t in tensors.items()})
 
 
@@ -261,9 +263,19 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     return index, key_map, state
 
 
+def default_device() -> torch.device:
+    """This rank's compute device: its CUDA device when there is one (``dist`` set it), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
-def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
-    """Materialise ``model`` on CPU and fill every parameter / persistent buffer from this rank's slices.
+def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.device | None = None) -> LoadStats:
+    """Materialise ``model`` on ``device`` (default: :func:`default_device`) and fill every parameter /
+    persistent buffer from this rank's slices (read on the host one tensor at a time, copied to ``device``).
+
+    A model AutoTP already materialised stays where DeepSpeed put it (the accelerator's current device).
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are errors that name
     them. Non-persistent buffers are computed from the config (:func:`compute_host_buffers`).
@@ -273,9 +285,11 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
 
     owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
     layout = record_tensor_layout(model)
+    shared = _shared_tensor_names(model)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device="cpu")  # allocates only this rank's shards: the layout is already applied
+        model.to_empty(device=device or default_device())  # only this rank's shards: the layout is applied
         restore_tensor_layout(model, layout)
+        _retie(model, shared)  # to_empty gave each name of a tied tensor its own storage
     compute_host_buffers(model)
 
     index, key_map, state = checkpoint_sources(model, target)
@@ -339,6 +353,34 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo) -> LoadStats:
     _release_freed_memory()
     assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
     return stats
+
+
+def _shared_tensor_names(model: nn.Module) -> list[list[str]]:
+    """Names that share one tensor (a tied lm_head and embedding, a rotary ``original_inv_freq``)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        groups[id(tensor)].append(name)
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        groups[id(tensor)].append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[str]]) -> None:
+    """Point every name of a group back at its first name's tensor, where shape, dtype and device agree."""
+    for first, *others in shared:
+        tensor = model.get_parameter(first) if _is_parameter(model, first) else model.get_buffer(first)
+        for name in others:
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            table = module._parameters if leaf in module._parameters else module._buffers
+            current = table[leaf]
+            if current.shape == tensor.shape and current.dtype == tensor.dtype and current.device == tensor.device:
+                table[leaf] = tensor
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    module_name, _, leaf = name.rpartition(".")
+    return leaf in model.get_submodule(module_name)._parameters
 
 
 def _release_freed_memory() -> None:

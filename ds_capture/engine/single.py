@@ -1,9 +1,11 @@
-"""The world-of-one engine: the target loaded whole by Hugging Face, frozen.
+"""The world-of-one engine (and every DP-only rank): the whole target, frozen, on this rank's device.
 
 In:  a :class:`~ds_capture.families.TargetInfo`, the compute dtype and attention implementation.
-Out: ``AutoModelForCausalLM.from_pretrained(...)`` (the family's auto class: a multimodal wrapper's own, its
-     unused towers dropped) in eval mode with gradients off; this is also the reference every sharded
-     layout must reproduce.
+Out: :func:`build_single_model` -> the family's model class built on meta and filled by the sliced loader
+     (:mod:`.loading`, every slice whole) straight onto the rank's device (CUDA when there is one): the
+     checkpoint is read one tensor at a time, so the host never holds a second copy. It equals
+     ``from_pretrained`` exactly (parameters, buffers, dtypes, logits: tests/unit/test_loading.py);
+     :func:`load_with_from_pretrained` is that plain Hugging Face load, kept as the independent reference.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from ds_capture.families import TargetInfo
 
 
 def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The whole target in ``dtype`` (on this rank's CUDA device when there is one), eval, frozen."""
+    """The whole target in ``dtype`` on this rank's device, eval, frozen; unused towers dropped."""
+    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+
+    model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
+    load_owned_parameters(model, target)
+    return model.eval().requires_grad_(False)
+
+
+def load_with_from_pretrained(target: TargetInfo, *, dtype: torch.dtype,
+                              attn_implementation: str | None) -> nn.Module:
+    """``<family auto class>.from_pretrained(...)`` (peak host memory ~2x the checkpoint), eval, frozen."""
     import transformers
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}

@@ -19,7 +19,7 @@ import torch
 
 from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
 from ds_capture.engine.deepspeed_engine import build_sharded_model
-from ds_capture.engine.single import build_single_model
+from ds_capture.engine.single import load_with_from_pretrained
 from ds_capture.families import get_submodule, read_target_info
 from ds_capture.plan import build_plan, new_groups
 
@@ -70,7 +70,7 @@ def run_case(env, case: dict) -> dict:
     # The shm all-reduce ignores the group: with several TP groups on one host it would sum across them.
     repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == env.world_size)
     model, stats = build_sharded_model(target, plan, groups, dtype=dtype, attn_implementation=None, ds_config=None)
-    reference = build_single_model(target, dtype=dtype, attn_implementation=None)
+    reference = load_with_from_pretrained(target, dtype=dtype, attn_implementation=None)
 
     input_ids, attention_mask = batch_for(plan.dp_rank, target.vocab_size)
     hidden, logits, routes = forward_with_routes(model, target.family, input_ids, attention_mask)

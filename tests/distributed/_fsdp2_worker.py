@@ -1,7 +1,7 @@
 """One rank of the FSDP2 forward check: FSDP2 model vs the single-process model on this rank's own data.
 
 Run under torchrun (gloo). Every rank builds the target with ``build_fsdp2_model`` and, for reference,
-whole with ``build_single_model``; forwards ``--steps`` batches of its own random tokens (different per
+whole with ``load_with_from_pretrained``; forwards ``--steps`` batches of its own random tokens (different per
 rank) through both with hooks on every router (``mlp.gate``: its output ends in the top-k expert indices)
 and writes ``OUT/rank{R}.json``: max abs difference of every hidden state, the router top-k agreement and
 the bytes the loader read.
@@ -53,7 +53,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         from ds_capture.engine.fsdp2_engine import build_fsdp2_model
-        from ds_capture.engine.single import build_single_model
+        from ds_capture.engine.single import load_with_from_pretrained
         from ds_capture.families import read_target_info
         from ds_capture.plan import build_plan
 
@@ -63,7 +63,7 @@ def main() -> None:
                           num_attention_heads=target.num_attention_heads,
                           num_key_value_heads=target.num_key_value_heads)
         sharded = build_fsdp2_model(target, plan, None, dtype=dtype, attn_implementation=None)
-        whole = build_single_model(target, dtype=dtype, attn_implementation=None)
+        whole = load_with_from_pretrained(target, dtype=dtype, attn_implementation=None)
         local_numel = sum(p.to_local().numel() for p in sharded.parameters())
         whole_numel = sum(p.numel() for p in whole.parameters())
 

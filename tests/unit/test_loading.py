@@ -1,4 +1,5 @@
-"""Meta build + slice loading equals ``from_pretrained`` exactly; EP ownership reads only this rank's experts.
+"""Meta build + slice loading (what every engine, the world of one included, loads with) equals ``from_pretrained``
+exactly; EP ownership reads only this rank's experts.
 
 No process group: expert parallelism is applied with ``ep_group=None`` (the layout only; no forward).
 """
@@ -10,7 +11,7 @@ import torch
 
 from ds_capture.engine.expert_parallel import apply_expert_parallel
 from ds_capture.engine.loading import build_meta_model, load_owned_parameters
-from ds_capture.engine.single import build_single_model
+from ds_capture.engine.single import build_single_model, load_with_from_pretrained
 from ds_capture.errors import CaptureError
 from ds_capture.families import read_target_info
 
@@ -28,7 +29,7 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_meta_build_and_full_load_equal_from_pretrained(tiny_target, model_type, dtype):
     target = read_target_info(tiny_target(model_type, num_hidden_layers=2))
-    reference = build_single_model(target, dtype=dtype, attn_implementation=None)
+    reference = load_with_from_pretrained(target, dtype=dtype, attn_implementation=None)
     model = build_meta_model(target, dtype=dtype, attn_implementation=None)
     stats = load_owned_parameters(model, target)
 
@@ -52,7 +53,20 @@ def test_meta_build_fills_config_computed_buffers_as_from_pretrained(release_tar
     model = build_meta_model(target, dtype=dtype, attn_implementation=None)
     assert all(t.is_meta for t in model.buffers())
     load_owned_parameters(model, target)
-    _assert_same_model(model, build_single_model(target, dtype=dtype, attn_implementation=None), target.vocab_size)
+    _assert_same_model(model, load_with_from_pretrained(target, dtype=dtype, attn_implementation=None),
+                       target.vocab_size)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_tied_embeddings_load_as_from_pretrained(tiny_target, model_type):
+    """A tied target (small Qwen3s) stores only the embedding; the lm_head is filled from it."""
+    target = read_target_info(tiny_target(model_type, num_hidden_layers=2, tie_word_embeddings=True))
+    assert target.tie_word_embeddings
+    assert "lm_head.weight" not in _checkpoint_tensors(target.path)
+    model = build_single_model(target, dtype=torch.float32, attn_implementation=None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor after to_empty
+    _assert_same_model(model, load_with_from_pretrained(target, dtype=torch.float32, attn_implementation=None),
+                       target.vocab_size)
 
 
 def _assert_same_model(model: torch.nn.Module, reference: torch.nn.Module, vocab_size: int) -> None:
