@@ -18,7 +18,8 @@ Out: one JSON object on stdout (also benchmarks/results/load_memory.json): the c
      layout is ``tp2_ep4`` (attention over 2 ranks, experts over all 4).
 
     . .venv/bin/activate
-    python benchmarks/load_memory.py [--layers 4] [--experts 48] [--keep]
+    python benchmarks/load_memory.py [--layers 4] [--experts 48] [--keep] [--out load_memory.json]
+    python benchmarks/load_memory.py --layers 16 --experts 12 --out load_memory_16layers.json
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=48)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint under /tmp")
+    parser.add_argument("--out", default="load_memory.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "distributed")]
     from launchers import run_launcher
@@ -150,7 +152,7 @@ def main() -> None:
             report["layouts"][name] = entry
         print(json.dumps(report, indent=2))
         (REPO / "benchmarks" / "results").mkdir(exist_ok=True)
-        (REPO / "benchmarks" / "results" / "load_memory.json").write_text(json.dumps(report, indent=2) + "\n")
+        (REPO / "benchmarks" / "results" / args.out).write_text(json.dumps(report, indent=2) + "\n")
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -135,3 +135,21 @@ def test_unsupported_layout_is_refused_before_loading(targets, tmp_path, model_t
         not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
     assert "Loading weights" not in result.stdout and not out.exists()
     record(model_type, layout, {"status": "refused", "reason": message})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tied_embeddings_under_tensor_parallelism(tmp_path):
+    """A tied target (small Qwen3s): AutoTP shards the lm_head, which the loader fills from the embedding."""
+    from ds_capture.demo import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "tied_qwen3", "qwen3", tie_word_embeddings=True)
+    assert json.loads((target / "config.json").read_text())["tie_word_embeddings"] is True
+    single, tp2 = tmp_path / "single", tmp_path / "tp2"
+    for out, nproc, tp_size in ((single, 1, 1), (tp2, 2, 2)):
+        result = _run(nproc, _recipe(target, out, tp_size, 1))
+        assert result.returncode == 0, result.stdout[-6000:]
+    assert max_rel_diff(single, tp2) <= 1e-5
+    weights = [load_file(out / "target_weights.safetensors") for out in (single, tp2)]
+    assert all(torch.equal(w["lm_head.weight"], w["embed_tokens.weight"]) for w in weights)
+    assert torch.equal(weights[0]["lm_head.weight"], weights[1]["lm_head.weight"])
