@@ -18,8 +18,6 @@ runner's padding forwards guarantee that), under ``torch.no_grad()`` (gloo colle
 
 from __future__ import annotations
 
-from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,14 +26,11 @@ from torch import nn
 
 from ds_capture.engine.loading import (
     LoadStats,
-    _convert,
-    _copy_into,
-    _Owned,
-    _owned_expert_keys,
-    _read,
+    OwnedSlice,
     build_meta_model,
     checkpoint_sources,
     compute_host_buffers,
+    fill_from_checkpoint,
     record_tensor_layout,
     restore_tensor_layout,
 )
@@ -111,11 +106,10 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     Parameters are FSDP2 DTensors: this rank reads rows ``[start, start + n)`` of each checkpoint tensor
     (experts ``[start, start + n)`` for fused expert tensors, opening only those experts' per-expert
     tensors). Buffers are not sharded: persistent ones are read whole, non-persistent ones (rotary
-    ``inv_freq``) are computed by the model's own ``_init_weights``. Files are mapped one at a time; every read is cloned out of the map.
+    ``inv_freq``) are computed by the model's own ``_init_weights``. The reads are
+    :func:`~ds_capture.engine.loading.fill_from_checkpoint`'s, as for the DeepSpeed engine.
     """
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from transformers.core_model_loading import MergeModulelist
 
     layout = record_tensor_layout(model)
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
@@ -123,49 +117,17 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
     index, key_map, state = checkpoint_sources(model, target)
-    sources, converter_of = key_map.sources, key_map.converter_of
-
-    # Plan the reads per file: (checkpoint key, model tensor, this rank's dim-0 cut or None for whole).
-    reads: dict[Path, list[tuple[str, str, _Owned | None]]] = defaultdict(list)
-    pieces: dict[str, dict[str, torch.Tensor]] = {}
-    num_pieces: dict[str, int] = {}
+    # This rank's dim-0 chunk of every DTensor parameter (a fused expert tensor's rows are whole experts,
+    # so only those experts' per-expert checkpoint tensors are opened); buffers and plain tensors whole.
     destinations: dict[str, torch.Tensor] = {}
-    for name, keys in sources.items():
+    owned: dict[str, OwnedSlice] = {}
+    for name in key_map.sources:
         tensor = state[name]
-        cut = None
         if isinstance(tensor, DTensor):
             start, length, rows = _local_rows(tensor)
             destinations[name] = tensor.to_local()
-            if length == 0:
-                continue  # a rank past the last chunk of a small dim holds nothing of it
             if length < rows:
-                cut = _Owned(dim=0, start=start, length=length, experts=name in converter_of)
+                owned[name] = OwnedSlice(dim=0, start=start, length=length, experts=name in key_map.converter_of)
         else:
             destinations[name] = tensor
-        if name in converter_of:
-            converter = converter_of[name]
-            if cut is not None and not isinstance(converter.operations[0], MergeModulelist):
-                raise CaptureError(f"{name}: FSDP2 cannot load a dim-0 shard of a tensor built by {converter!r}.")
-            # Fused experts stack per-expert tensors on dim 0: the rows this rank owns are whole experts.
-            keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
-            pieces[name], num_pieces[name], cut = {}, len(keys), None
-        for key in keys:
-            reads[index[key]].append((key, name, cut))
-
-    stats = LoadStats()
-    for path in sorted(reads):
-        with safe_open(path, framework="pt") as handle:  # one file mapped at a time
-            for key, name, cut in reads[path]:
-                tensor = _read(handle, key, cut)
-                num_bytes = tensor.numel() * tensor.element_size()
-                stats.bytes_read += num_bytes
-                stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
-                if name in pieces:
-                    pieces[name][key] = tensor
-                    if len(pieces[name]) < num_pieces[name]:
-                        continue
-                    tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
-                _copy_into(destinations[name], tensor, name, key)
-        stats.num_files += 1
-    assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
-    return stats
+    return fill_from_checkpoint(index, key_map, destinations, owned)

@@ -44,7 +44,7 @@ class LoadStats:
 
 
 @dataclass(frozen=True)
-class _Owned:
+class OwnedSlice:
     """The part of one parameter this rank holds: ``length`` entries of ``dim`` from ``start`` (None: whole)."""
 
     dim: int | None = None
@@ -128,11 +128,11 @@ def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
                                                                          device=buffer.device)
 
 
-def _owned_slices(model: nn.Module) -> dict[str, _Owned]:
+def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
     """Parameter name -> the slice of the checkpoint tensor this rank holds (absent: the whole tensor)."""
     from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
 
-    owned: dict[str, _Owned] = {}
+    owned: dict[str, OwnedSlice] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         if isinstance(module, TensorParallel_Layer):
@@ -149,12 +149,12 @@ def _owned_slices(model: nn.Module) -> dict[str, _Owned]:
                 if meta["replicated"] or meta["partition_dim"] is None:
                     continue
                 sizes = meta["partition_sizes"]
-                owned[prefix + leaf] = _Owned(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
+                owned[prefix + leaf] = OwnedSlice(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
                                               length=sizes[module.tp_index])
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:
-                    owned[prefix + leaf] = _Owned(dim=0, start=module.expert_start,
+                    owned[prefix + leaf] = OwnedSlice(dim=0, start=module.expert_start,
                                                   length=module.num_local_experts, experts=True)
     return owned
 
@@ -178,7 +178,7 @@ def _checkpoint_index(path: Path) -> dict[str, Path]:
 
 
 @dataclass
-class _KeyMap:
+class KeyMap:
     """How checkpoint keys become model tensors (transformers' own conversion mapping)."""
 
     sources: dict[str, list[str]]
@@ -190,7 +190,7 @@ class _KeyMap:
     unexpected: list[str]
 
 
-def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = ()) -> _KeyMap:
+def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = ()) -> KeyMap:
     """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
@@ -226,10 +226,10 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
             sources[renamed].append(key)
         else:
             unexpected.append(key)
-    return _KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected)
+    return KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected)
 
 
-def _read(handle: Any, key: str, owned: _Owned | None) -> torch.Tensor:
+def _read_slice(handle: Any, key: str, owned: OwnedSlice | None) -> torch.Tensor:
     """This rank's slice of one checkpoint tensor, cloned out of the mapped file."""
     if owned is None:
         return handle.get_tensor(key).clone()
@@ -239,7 +239,7 @@ def _read(handle: Any, key: str, owned: _Owned | None) -> torch.Tensor:
     return view[tuple(index)].clone()
 
 
-def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, Path], _KeyMap, dict]:
+def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, Path], KeyMap, dict]:
     """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
@@ -280,9 +280,6 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     Missing checkpoint tensors and checkpoint tensors the model has no place for are errors that name
     them. Non-persistent buffers are computed from the config (:func:`compute_host_buffers`).
     """
-    from safetensors import safe_open
-    from transformers.core_model_loading import MergeModulelist
-
     owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
     layout = record_tensor_layout(model)
     shared = _shared_tensor_names(model)
@@ -293,11 +290,26 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     compute_host_buffers(model)
 
     index, key_map, state = checkpoint_sources(model, target)
+    return fill_from_checkpoint(index, key_map, state, owned)
+
+
+@torch.no_grad()
+def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: dict[str, torch.Tensor],
+                         owned: dict[str, OwnedSlice]) -> LoadStats:
+    """Copy this rank's part of every mapped checkpoint tensor into ``destinations`` (name -> local tensor).
+
+    ``owned`` gives the slice of a tensor this rank holds (absent: all of it; ``length`` 0: nothing). Every
+    read is one tensor mapped, sliced and copied; stacked experts are converted and placed one expert at a
+    time; freed heap pages go back to the OS as the reads go (:func:`_release_freed_memory`).
+    """
+    from safetensors import safe_open
+    from transformers.core_model_loading import MergeModulelist
+
     sources, converter_of = key_map.sources, key_map.converter_of
 
     # Plan the reads: per file, (checkpoint key, model tensor, slice). A converted tensor (fused experts)
     # gathers one piece per owned expert; the pieces may sit in several files.
-    reads: dict[Path, list[tuple[str, str, _Owned | None]]] = defaultdict(list)
+    reads: dict[Path, list[tuple[str, str, OwnedSlice | None]]] = defaultdict(list)
     pieces: dict[str, dict[str, torch.Tensor]] = {}
     num_pieces: dict[str, int] = {}
     # Stacked experts are converted and placed one expert at a time (checkpoint key -> its slot in the
@@ -306,6 +318,8 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     num_patterns: dict[str, int] = {}
     for name, keys in sources.items():
         cut = owned.get(name)
+        if cut is not None and cut.length == 0:
+            continue  # e.g. an FSDP2 rank past the last chunk of a small dim
         if name in converter_of:
             converter = converter_of[name]
             stacked = isinstance(converter.operations[0], MergeModulelist)
@@ -331,13 +345,13 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
             with safe_open(path, framework="pt") as handle:
-                tensor = _read(handle, key, cut)
+                tensor = _read_slice(handle, key, cut)
             num_bytes = tensor.numel() * tensor.element_size()
             stats.bytes_read += num_bytes
             read_since_trim += num_bytes
             stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
             if key in slot_of:
-                if _place_expert(state[name], pieces[name], key, tensor, slot_of[key], num_patterns[name],
+                if _place_expert(destinations[name], pieces[name], key, tensor, slot_of[key], num_patterns[name],
                                  converter_of[name], key_map.pattern_of, name):
                     placed[name] += 1
                     if placed[name] * num_patterns[name] == num_pieces[name]:
@@ -347,8 +361,8 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
                 pieces[name][key] = tensor
                 if len(pieces[name]) < num_pieces[name]:
                     continue
-                tensor = _convert(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
-            _copy_into(state[name], tensor, name, key)
+                tensor = _convert_pieces(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+            _copy_checked(destinations[name], tensor, name, key)
         stats.num_files += 1
     _release_freed_memory()
     assert not pieces, f"incomplete converted tensors: {sorted(pieces)}"
@@ -409,7 +423,7 @@ def _few(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "") or "none"
 
 
-def _owned_expert_keys(keys: list[str], pattern_of: dict[str, str], cut: _Owned | None) -> list[str]:
+def _owned_expert_keys(keys: list[str], pattern_of: dict[str, str], cut: OwnedSlice | None) -> list[str]:
     """The checkpoint keys of this rank's experts: per source pattern (gate, up, ...), entries [start, +length)."""
     if cut is None:
         return keys
@@ -438,12 +452,12 @@ def _place_expert(destination: torch.Tensor, pieces: dict, key: str, tensor: tor
     group[key] = tensor
     if len(group) < num_patterns:
         return False
-    fused = _convert(converter, pieces.pop(slot), pattern_of, name)  # [1, ...]: one expert, stacked
-    _copy_into(destination[slot : slot + 1], fused, name, key)
+    fused = _convert_pieces(converter, pieces.pop(slot), pattern_of, name)  # [1, ...]: one expert, stacked
+    _copy_checked(destination[slot : slot + 1], fused, name, key)
     return True
 
 
-def _convert(converter: Any, pieces: dict[str, torch.Tensor], pattern_of: dict[str, str], name: str) -> torch.Tensor:
+def _convert_pieces(converter: Any, pieces: dict[str, torch.Tensor], pattern_of: dict[str, str], name: str) -> torch.Tensor:
     """Run transformers' conversion ops (stack experts, concatenate gate/up) on this rank's pieces."""
     from transformers.core_model_loading import dot_natural_key
 
@@ -458,7 +472,7 @@ def _convert(converter: Any, pieces: dict[str, torch.Tensor], pattern_of: dict[s
     return tensor
 
 
-def _copy_into(destination: torch.Tensor, tensor: torch.Tensor, name: str, key: str) -> None:
+def _copy_checked(destination: torch.Tensor, tensor: torch.Tensor, name: str, key: str) -> None:
     if destination.shape != tensor.shape:
         raise CaptureError(
             f"{key}: checkpoint slice has shape {tuple(tensor.shape)} but {name} on this rank is "

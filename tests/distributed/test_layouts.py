@@ -217,12 +217,12 @@ def _routes(run_dir: Path) -> dict[str, dict]:
     """input_ids digest -> {"mask": [B, L] bool, "routes": {layer: [B, L, k]}} over every rank of one run."""
     found: dict[str, dict] = {}
     for path in sorted(run_dir.glob("routes.rank*.pt")):
-        for record in torch.load(path):
-            ids = record["input_ids"]
+        for entry in torch.load(path):
+            ids = entry["input_ids"]
             key = hashlib.sha256(repr(tuple(ids.shape)).encode() + ids.numpy().tobytes()).hexdigest()
             batch, length = ids.shape
-            routes = {layer: r.reshape(batch, length, -1) for layer, r in record["routes"].items()}
-            found.setdefault(key, {"mask": record["attention_mask"].bool(), "routes": routes, "input_ids": ids})
+            routes = {layer: r.reshape(batch, length, -1) for layer, r in entry["routes"].items()}
+            found.setdefault(key, {"mask": entry["attention_mask"].bool(), "routes": routes, "input_ids": ids})
     return found
 
 
