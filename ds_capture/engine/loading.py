@@ -3,7 +3,7 @@
 In:  a :class:`~ds_capture.families.TargetInfo` (checkpoint dir: ``config.json`` + ``*.safetensors``), and a
      model that is plain Hugging Face or already sharded (AutoTP layers, expert-parallel experts).
 Out: :func:`build_meta_model` -> the model on ``meta`` (parameters and buffers); :func:`load_owned_parameters`
-     -> the same model materialised on CPU with every parameter and persistent buffer filled from the
+     -> the same model materialised on the rank's device with every parameter and persistent buffer filled from the
      checkpoint and every non-persistent buffer (rotary ``inv_freq``, embedding scales) computed by the model's
      own ``_init_weights`` (:func:`compute_host_buffers`), plus :class:`LoadStats` (bytes read, per parameter).
 
@@ -14,7 +14,8 @@ What a rank owns is read off the model itself, so the loader needs no plan:
     only those experts' checkpoint tensors are opened.
 On-disk names are mapped to in-memory parameters with transformers' own conversion mapping (the one
 ``from_pretrained`` uses: per-expert ``experts.E.gate_proj.weight`` -> fused ``experts.gate_up_proj``).
-Files are mapped one at a time and every tensor is cloned out of the mapping (DESIGN §6).
+One tensor is mapped at a time and cloned out of the mapping (DESIGN §6); :func:`fill_from_checkpoint` is the
+read loop every engine shares (the FSDP2 engine passes its DTensor chunks).
 """
 
 from __future__ import annotations
