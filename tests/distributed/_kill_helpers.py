@@ -142,23 +142,6 @@ def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None
     return proc, port
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), children before grandchildren."""
-    found, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        kids = []
-        try:
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with open(f"/proc/{parent}/task/{task}/children") as handle:
-                    kids += [int(kid) for kid in handle.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-        found += kids
-        stack += kids
-    return found
-
-
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process below it, all at the same moment.
 
@@ -166,6 +149,8 @@ def kill_group(proc: subprocess.Popen) -> None:
     launcher's group would leave the ranks running on. Everything is stopped first, then killed, so no
     rank sees a peer die and reacts before it dies itself.
     """
+    from tests.distributed.launchers import descendants
+
     pids = [proc.pid] + descendants(proc.pid)
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for pid in pids:

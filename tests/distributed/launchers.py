@@ -143,18 +143,55 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> int:
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop a launcher that overran or whose peer failed: SIGTERM, then SIGKILL, to its process group and to
+    every process below it (torchrun starts each rank in a session of its own, out of the group's reach)."""
     if proc.poll() is not None:
         return
+    pids = descendants(proc.pid)  # before any signal: a dead launcher's ranks are reparented out of view
     for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            pass
         try:
             proc.wait(timeout=grace)
-            return
+            if not any(_alive(pid) for pid in pids):
+                return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) no longer runs
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children before grandchildren."""
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        kids = []
+        try:
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as handle:
+                    kids += [int(kid) for kid in handle.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        found += kids
+        stack += kids
+    return found
 
 
 def ensure_shm_op_built(timeout_s: int = 900) -> None:
