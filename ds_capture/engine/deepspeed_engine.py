@@ -10,7 +10,8 @@ Out: the plain Hugging Face CausalLM module (unwrapped from DeepSpeed's Inferenc
 
 Steps: meta model -> expert parallelism (ep > 1, :mod:`.expert_parallel`) -> AutoTP
 (``deepspeed.init_inference``, tp > 1) on the meta model, so each rank allocates only its shards ->
-fill from safetensors slices (:mod:`.loading`). A world of one is plain ``from_pretrained``.
+fill from safetensors slices (:mod:`.loading`). A world of one, and every DP-only rank, loads the whole model
+through the same loader (:mod:`.single`).
 """
 
 from __future__ import annotations
