@@ -99,14 +99,10 @@ _MULTIMODAL_ONLY = (
 # each one says why and what to do instead.
 _AUTOTP_MISSHARDS = (
     "DeepSpeed AutoTP mis-shards {what} of model_type {model_type!r} (the sharded forward dies with shape "
-    "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and shard the routed experts with "
-    "ep_size instead (data parallel x expert parallel)."
+    "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and {instead}."
 )
-_AUTOTP_MISSHARDS_DENSE = (
-    "DeepSpeed AutoTP mis-shards {what} of model_type {model_type!r} (the sharded forward dies with shape "
-    "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and scale with data parallelism, or "
-    "shard every parameter over the ranks with engine: fsdp2."
-)
+_USE_EP = "shard the routed experts with ep_size instead (data parallel x expert parallel)"
+_USE_DP_OR_FSDP2 = "scale with data parallelism, or shard every parameter over the ranks with engine: fsdp2"
 _DENSE_ONLY = (
     "model_type {model_type!r} is registered as a dense family here: it has no routed experts to shard. "
     "Keep ep_size 1 (use tp_size or data parallelism)."
@@ -131,14 +127,15 @@ FAMILIES: dict[str, Family] = {
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4"),
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
+                                                instead=_USE_EP),
         ),
         # GLM-5.x: dense first layers (no experts there), DSA indexer attention.
         Family(
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts",
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
-                                                model_type="glm_moe_dsa"),
+                                                model_type="glm_moe_dsa", instead=_USE_EP),
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
@@ -148,8 +145,8 @@ FAMILIES: dict[str, Family] = {
             embed_tokens="model.language_model.embed_tokens",
             embed_weight_key="model.language_model.embed_tokens.weight",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS_DENSE.format(what="the per-layer input gate (per_layer_input_gate)",
-                                                      model_type="gemma4"),
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the per-layer input gate (per_layer_input_gate)",
+                                                model_type="gemma4", instead=_USE_DP_OR_FSDP2),
             supports_ep=False,
             ep_refusal=_DENSE_ONLY.format(model_type="gemma4")
             + " Gemma 4's MoE variant keeps its experts on the decoder layer itself, which the expert-parallel "
@@ -213,11 +210,12 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
             "Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer files)."
         )
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type", "")
+        raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
+    model_type = raw.get("model_type", "")
     family = get_family(model_type, source=str(config_path))
-    _refuse_quantized(config_path)
+    _refuse_quantized(raw, config_path)
     try:
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, TypeError) as error:
@@ -238,9 +236,8 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
     )
 
 
-def _refuse_quantized(config_path: Path) -> None:
+def _refuse_quantized(raw: dict, config_path: Path) -> None:
     """A quantized checkpoint (FP8 / FP4 / INT4 weights with scales) is refused: the loaders copy plain tensors."""
-    raw = json.loads(config_path.read_text())
     for where, section in (("", raw), ("text_config.", raw.get("text_config") or {})):
         quantization = section.get("quantization_config") if isinstance(section, dict) else None
         if quantization:
