@@ -91,9 +91,8 @@ def _import_model_code(target) -> None:
     import deepspeed.inference.engine  # noqa: F401
     import deepspeed.module_inject.layers  # noqa: F401
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(transformers.AutoConfig.from_pretrained(target.path))]
+    target.family.model_class(transformers.AutoConfig.from_pretrained(target.path))  # the loader's own lookup
 
 
 def main() -> None:

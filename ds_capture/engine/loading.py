@@ -151,12 +151,12 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
                     continue
                 sizes = meta["partition_sizes"]
                 owned[prefix + leaf] = OwnedSlice(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
-                                              length=sizes[module.tp_index])
+                                                  length=sizes[module.tp_index])
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:
                     owned[prefix + leaf] = OwnedSlice(dim=0, start=module.expert_start,
-                                                  length=module.num_local_experts, experts=True)
+                                                      length=module.num_local_experts, experts=True)
     return owned
 
 
@@ -282,9 +282,8 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     them. Non-persistent buffers are computed from the config (:func:`compute_host_buffers`).
     """
     owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
-    layout = record_tensor_layout(model)
-    shared = _shared_tensor_names(model)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        layout, shared = record_tensor_layout(model), _shared_tensor_names(model)
         model.to_empty(device=device or default_device())  # only this rank's shards: the layout is applied
         restore_tensor_layout(model, layout)
         _retie(model, shared)  # to_empty gave each name of a tied tensor its own storage
@@ -383,19 +382,20 @@ def _shared_tensor_names(model: nn.Module) -> list[list[str]]:
 def _retie(model: nn.Module, shared: list[list[str]]) -> None:
     """Point every name of a group back at its first name's tensor, where shape, dtype and device agree."""
     for first, *others in shared:
-        tensor = model.get_parameter(first) if _is_parameter(model, first) else model.get_buffer(first)
+        table, leaf = _owner_table(model, first)
+        tensor = table[leaf]
         for name in others:
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            table = module._parameters if leaf in module._parameters else module._buffers
+            table, leaf = _owner_table(model, name)
             current = table[leaf]
             if current.shape == tensor.shape and current.dtype == tensor.dtype and current.device == tensor.device:
                 table[leaf] = tensor
 
 
-def _is_parameter(model: nn.Module, name: str) -> bool:
+def _owner_table(model: nn.Module, name: str) -> tuple[dict, str]:
+    """The ``_parameters`` or ``_buffers`` dict of the module owning ``name``, and the leaf name in it."""
     module_name, _, leaf = name.rpartition(".")
-    return leaf in model.get_submodule(module_name)._parameters
+    module = model.get_submodule(module_name)
+    return (module._parameters if leaf in module._parameters else module._buffers), leaf
 
 
 def _release_freed_memory() -> None:

@@ -30,9 +30,9 @@ def load_with_from_pretrained(target: TargetInfo, *, dtype: torch.dtype,
     """``<family auto class>.from_pretrained(...)`` (peak host memory ~2x the checkpoint), eval, frozen."""
     import transformers
 
+    from ds_capture.engine.loading import default_device
+
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = getattr(transformers, target.family.auto_class).from_pretrained(target.path, dtype=dtype, **kwargs)
     target.family.drop_unused_modules(model)
-    if torch.cuda.is_available():
-        model = model.to(torch.device("cuda", torch.cuda.current_device()))
-    return model.eval().requires_grad_(False)
+    return model.to(default_device()).eval().requires_grad_(False)
