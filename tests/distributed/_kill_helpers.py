@@ -149,19 +149,11 @@ def kill_group(proc: subprocess.Popen) -> None:
     launcher's group would leave the ranks running on. Everything is stopped first, then killed, so no
     rank sees a peer die and reacts before it dies itself.
     """
-    from tests.distributed.launchers import descendants
+    from tests.distributed.launchers import descendants, send_signal
 
     pids = [proc.pid] + descendants(proc.pid)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    send_signal(pids, signal.SIGSTOP)
+    send_signal(pids, signal.SIGKILL, group=proc.pid)
     proc.wait(timeout=30)
 
 

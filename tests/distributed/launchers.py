@@ -149,21 +149,27 @@ def _kill_session(proc: subprocess.Popen) -> None:
         return
     pids = descendants(proc.pid)  # before any signal: a dead launcher's ranks are reparented out of view
     for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        send_signal(pids, sig, group=proc.pid)
         try:
             proc.wait(timeout=grace)
             if not any(_alive(pid) for pid in pids):
                 return
         except subprocess.TimeoutExpired:
             continue
+
+
+def send_signal(pids: list[int], sig: int, group: int | None = None) -> None:
+    """``sig`` to each of ``pids``, then to process group ``group``; processes already gone are skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    if group is not None:
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _alive(pid: int) -> bool:

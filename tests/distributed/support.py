@@ -34,3 +34,10 @@ def max_rel_diff(a_dir: Path, b_dir: Path) -> float:
         for key in ("target_hidden_states", "target_last_hidden_states"):
             worst = max(worst, (a[key] - b[key]).abs().max().item() / max(1.0, a[key].abs().max().item()))
     return worst
+
+
+def safetensors_digests(cache: Path) -> dict[str, str]:
+    """File name -> sha256 of every ``*.safetensors`` file of a cache (byte-identity checks)."""
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.safetensors"))}

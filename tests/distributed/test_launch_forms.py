@@ -18,7 +18,6 @@ not byte-equal (tests/distributed/test_layouts.py covers TP).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, have_mpirun, run_launcher  # noqa: E402
+from support import safetensors_digests  # noqa: E402
 
 from ds_capture.cache.format import IDENTITY_FIELDS  # noqa: E402
 from ds_capture.cache.reader import verify_cache  # noqa: E402
@@ -56,10 +56,6 @@ def _launch(kind: str, root: Path, target: Path) -> Path:
     return out
 
 
-def _digests(cache: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.safetensors"))}
-
-
 @pytest.fixture(scope="module")
 def forms(tiny_target, tmp_path_factory) -> dict:
     ensure_shm_op_built()
@@ -70,9 +66,9 @@ def forms(tiny_target, tmp_path_factory) -> dict:
 
 def _check_same_bytes(cache: Path, reference: Path) -> None:
     assert verify_cache(cache).ok
-    want = _digests(reference)
+    want = safetensors_digests(reference)
     assert len(want) == 1 + 4  # target weights + 4 shards
-    assert _digests(cache) == want
+    assert safetensors_digests(cache) == want
     got_manifest = json.loads((cache / "manifest.json").read_text())
     want_manifest = json.loads((reference / "manifest.json").read_text())
     assert {k: got_manifest[k] for k in IDENTITY_FIELDS} == {k: want_manifest[k] for k in IDENTITY_FIELDS}

@@ -13,7 +13,6 @@ forward exactly the single process's micro-batches, so fp32 bytes agree).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -24,6 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
+from support import safetensors_digests  # noqa: E402
 
 from ds_capture.cache.reader import verify_cache  # noqa: E402
 
@@ -45,10 +45,6 @@ def _recipe(path: Path, target: Path, out: Path, num_samples: int) -> Path:
         "dist_env": {"timeout_minutes": 2},
     }))
     return path
-
-
-def _digests(cache: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache.glob("*.safetensors"))}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +95,6 @@ def test_uneven_split_writes_every_shard_once(uneven_runs, name):
     assert indices == list(range(num_shards))
     assert run["shards_written"] == num_shards
     assert not list(run["cache"].glob("*.tmp"))
-    assert _digests(run["cache"]) == _digests(run["single"])
+    assert safetensors_digests(run["cache"]) == safetensors_digests(run["single"])
     manifest = json.loads((run["cache"] / "manifest.json").read_text())
     assert manifest["producer"]["dp_size"] == run["world"]
