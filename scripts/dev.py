@@ -2,7 +2,8 @@
 """Set up the project environment (once) and run the demo or the tests. Needs only python3.
 
     python3 scripts/dev.py demo          # build the demo target, capture, verify the cache
-    python3 scripts/dev.py test [ARGS]   # the whole test suite (ARGS go to pytest)
+    python3 scripts/dev.py test [ARGS]   # the test suite CI runs (ARGS go to pytest)
+    python3 scripts/dev.py test --full   # every cell of the slow equality matrices too (DS_CAPTURE_FULL=1)
 
 The environment is a virtualenv in ``.venv`` (override with ``DS_CAPTURE_VENV``). It is created
 on first use and reinstalled only when ``pyproject.toml`` changes. torch is pinned to the CPU
@@ -76,6 +77,9 @@ def main(argv: list[str]) -> int:
     if command == "env":
         return 0
     if command == "test":
+        if "--full" in rest:
+            rest = [arg for arg in rest if arg != "--full"]
+            env["DS_CAPTURE_FULL"] = "1"
         return subprocess.run([str(python), "-m", "pytest", "-q", *rest], cwd=ROOT, env=env).returncode
     config = rest[0] if rest else "configs/demo.yaml"
     cli = [str(python), "-m", "ds_capture"]
