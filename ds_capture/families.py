@@ -215,7 +215,9 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
     model_type = raw.get("model_type", "")
     family = get_family(model_type, source=str(config_path))
-    _refuse_quantized(raw, config_path)
+    from ds_capture.engine.quant import read_quant_config
+
+    read_quant_config(raw, config_path)  # an unsupported quant_method is refused before any weight loads
     try:
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, TypeError) as error:
@@ -234,21 +236,6 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
         num_experts=int(num_experts) if num_experts else None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )
-
-
-def _refuse_quantized(raw: dict, config_path: Path) -> None:
-    """A quantized checkpoint (FP8 / FP4 / INT4 weights with scales) is refused: the loaders copy plain tensors."""
-    for where, section in (("", raw), ("text_config.", raw.get("text_config") or {})):
-        quantization = section.get("quantization_config") if isinstance(section, dict) else None
-        if quantization:
-            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-            raise CaptureError(
-                f"{config_path}: {where}quantization_config says the weights are quantized (quant_method "
-                f"{method!r}). ds_capture loads bf16 / fp16 / fp32 checkpoints and computes the target in "
-                "capture.compute_dtype; it does not dequantize. Convert the checkpoint to bf16 first (e.g. "
-                "DeepSeek's fp8_cast_bf16.py for FP8 releases), drop quantization_config from config.json, and "
-                "point recipe_args.target_model_name_or_path at the converted directory."
-            )
 
 
 def get_submodule(root: torch.nn.Module, dotted: str) -> torch.nn.Module:

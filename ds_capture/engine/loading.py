@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_capture.engine import quant
 from ds_capture.engine.expert_parallel import ExpertParallelExperts
+from ds_capture.engine.quant import QuantTensor
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo
 
@@ -192,6 +194,10 @@ class KeyMap:
     unexpected: list[str]
     ignored: list[str] = field(default_factory=list)
     """Checkpoint keys that are not part of the model and are never read (multi-token-prediction layers)."""
+    quantized: dict[str, QuantTensor] = field(default_factory=dict)
+    """Logical checkpoint key (``X.weight``) -> its quantized parts (:mod:`.quant`); read dequantized."""
+    planning_bytes: int = 0
+    """Bytes read to plan the quantized reads (compressed-tensors ``weight_shape``), on every rank."""
 
 
 def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
@@ -271,11 +277,17 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
-    naming them. A tied lm_head takes the embedding's key.
+    naming them. A tied lm_head takes the embedding's key. Quantized weights are listed under their logical
+    key (``X.weight``; their scales are parts, not tensors) in ``key_map.quantized`` (:mod:`.quant`).
     """
-    index = _checkpoint_index(target.path)
+    files = _checkpoint_index(target.path)
+    headers = quant.read_headers(files.values())
+    index, _parts = quant.logical_keys(files, headers)
     family = target.family
     key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.layers)
+    used = {key for keys in key_map.sources.values() for key in keys}
+    key_map.quantized, key_map.planning_bytes = quant.plan_quantized(
+        files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
     state = model.state_dict(keep_vars=True)
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
@@ -361,7 +373,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
         for key in keys:
             reads[index[key]].append((key, name, cut))
 
-    stats = LoadStats()
+    stats = LoadStats(bytes_read=key_map.planning_bytes)
     placed: dict[str, int] = defaultdict(int)
     read_since_trim = 0
     for path in sorted(reads):
@@ -371,9 +383,14 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 read_since_trim = 0
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
-            with safe_open(path, framework="pt") as handle:
-                tensor = _read_slice(handle, key, cut)
-            num_bytes = tensor.numel() * tensor.element_size()
+            if key in key_map.quantized:  # the stored bytes and scale blocks covering the slice, dequantized
+                qt = key_map.quantized[key]
+                region = quant.region_of(qt, cut.dim, cut.start, cut.length) if cut else quant.region_of(qt, None, 0, 0)
+                tensor, num_bytes = quant.read_dequantized(qt, region)
+            else:
+                with safe_open(path, framework="pt") as handle:
+                    tensor = _read_slice(handle, key, cut)
+                num_bytes = tensor.numel() * tensor.element_size()
             stats.bytes_read += num_bytes
             read_since_trim += num_bytes
             stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes

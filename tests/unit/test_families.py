@@ -259,20 +259,21 @@ def test_gemma4_expert_parallel_is_refused_as_dense(family_target):
         "which the expert-parallel layer does not handle.")
 
 
-@pytest.mark.parametrize("model_type, where", [("deepseek_v3", ""), ("kimi_k25", "text_config.")])
-def test_quantized_checkpoints_are_refused_before_loading(family_target, tmp_path, model_type, where):
-    """FP8 / INT4 releases carry quantization_config; the loaders copy plain tensors, so they are refused."""
+@pytest.mark.parametrize("model_type, where, method", [("deepseek_v3", "", "awq"), ("kimi_k25", "text_config.", "gptq"),
+                                                      ("qwen3_moe", "", "bitsandbytes"), ("qwen3_moe", "", "mxfp4")])
+def test_unsupported_quantization_is_refused_before_loading(family_target, tmp_path, model_type, where, method):
+    """Only methods the loader dequantizes (engine/quant.py) pass; the others are named with what is supported."""
     target = tmp_path / model_type
     target.mkdir()
     config = json.loads((family_target(model_type) / "config.json").read_text())
     section = config["text_config"] if where else config
-    section["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    section["quantization_config"] = {"quant_method": method, "bits": 4}
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CaptureError) as caught:
         read_target_info(target)
     assert str(caught.value) == (
-        f"{target / 'config.json'}: {where}quantization_config says the weights are quantized (quant_method 'fp8'). "
-        "ds_capture loads bf16 / fp16 / fp32 checkpoints and computes the target in capture.compute_dtype; it does "
-        "not dequantize. Convert the checkpoint to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py for FP8 releases), "
-        "drop quantization_config from config.json, and point recipe_args.target_model_name_or_path at the "
-        "converted directory.")
+        f"{target / 'config.json'}: {where}quantization_config has quant_method {method!r}, which ds_capture cannot "
+        "dequantize. Supported: fp8 (block FP8 with weight_scale_inv / DeepSeek-V4 .scale, FP4 e2m1 experts with "
+        "e8m0 scales) and compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8). Use a release in "
+        "one of those formats or a bf16 / fp16 / fp32 checkpoint (if the tensors already are bf16, drop "
+        "quantization_config from config.json).")
