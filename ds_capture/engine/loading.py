@@ -196,8 +196,6 @@ class KeyMap:
     """Checkpoint keys that are not part of the model and are never read (multi-token-prediction layers)."""
     quantized: dict[str, QuantTensor] = field(default_factory=dict)
     """Logical checkpoint key (``X.weight``) -> its quantized parts (:mod:`.quant`); read dequantized."""
-    planning_bytes: int = 0
-    """Bytes read to plan the quantized reads (compressed-tensors ``weight_shape``), on every rank."""
 
 
 def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
@@ -286,8 +284,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     family = target.family
     key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.layers)
     used = {key for keys in key_map.sources.values() for key in keys}
-    key_map.quantized, key_map.planning_bytes = quant.plan_quantized(
-        files, headers, quant.load_quant_config(target.path), used)
+    key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
     state = model.state_dict(keep_vars=True)
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
@@ -373,7 +370,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
         for key in keys:
             reads[index[key]].append((key, name, cut))
 
-    stats = LoadStats(bytes_read=key_map.planning_bytes)
+    stats = LoadStats()
     placed: dict[str, int] = defaultdict(int)
     read_since_trim = 0
     for path in sorted(reads):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -80,6 +80,10 @@ class QuantTensor:
     file: Path
     scale_file: Path
     """The files holding ``key`` and ``scale_key`` (they may differ: resolved through ``weight_map``)."""
+    shape_key: str | None = None
+    """compressed-tensors' ``weight_shape`` (int64 ``[out, in]``), read with the values; until then ``shape``
+    is the packed width (8 columns per int32 word)."""
+    shape_file: Path | None = None
 
 
 # --------------------------------------------------------------------------------------------- config.json
@@ -192,15 +196,14 @@ def _scale_key(index: dict[str, Path], key: str) -> str | None:
 
 
 def plan_quantized(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int, ...]]], config: QuantConfig,
-                   keys: Iterable[str]) -> tuple[dict[str, QuantTensor], int]:
-    """The :class:`QuantTensor` of every quantized one of the logical ``keys`` (the ones the model reads), and
-    the bytes read to plan (compressed-tensors' ``weight_shape``).
+                   keys: Iterable[str]) -> dict[str, QuantTensor]:
+    """The :class:`QuantTensor` of every quantized one of the logical ``keys`` (the ones the model reads), from
+    the headers alone (no tensor data is read).
 
     A 1-byte / packed weight without its scale, or a scale whose shape is not the one the block size gives,
     is a ``CaptureError`` naming the key and its file.
     """
     tensors: dict[str, QuantTensor] = {}
-    planning_bytes = 0
     for logical in sorted(keys):
         packed = logical[: -len(".weight")] + ".weight_packed" if logical.endswith(".weight") else None
         if packed in index and headers[packed][0] == "I32":
@@ -211,11 +214,10 @@ def plan_quantized(index: dict[str, Path], headers: dict[str, tuple[str, tuple[i
             if f"{base}.weight_zero_point" in index:
                 raise CaptureError(f"{packed} ({index[packed].name}): asymmetric INT4 (weight_zero_point) is not "
                                    f"supported. Supported: {SUPPORTED}.")
-            shape = _read_small(index[shape_key], shape_key)
-            planning_bytes += shape.numel() * shape.element_size()
-            qt = QuantTensor("int4", packed, scale_key, (int(shape[0]), int(shape[1])), (1, config.group_size), 8,
-                             index[packed], index[scale_key])
-            _check_stored(qt, headers[packed][1], headers[packed][0])
+            out, words = headers[packed][1]
+            # The logical width is weight_shape[1] (read with the values, at most 7 columns less than packed).
+            qt = QuantTensor("int4", packed, scale_key, (out, 8 * words), (1, config.group_size), 8,
+                             index[packed], index[scale_key], shape_key, index[shape_key])
             _check_scale(qt, headers[scale_key][1])
             tensors[logical] = qt
             continue
@@ -233,7 +235,7 @@ def plan_quantized(index: dict[str, Path], headers: dict[str, tuple[str, tuple[i
                 "would be silently wrong: the checkpoint is incomplete (check model.safetensors.index.json)."
             )
         tensors[logical] = _classify(logical, dtype, shape, scale_key, headers[scale_key], config, index)
-    return tensors, planning_bytes
+    return tensors
 
 
 def _classify(key: str, dtype: str, shape: tuple[int, ...], scale_key: str, scale_header: tuple[str, tuple[int, ...]],
@@ -277,23 +279,10 @@ def _check_scale(qt: QuantTensor, scale_shape: tuple[int, ...]) -> None:
         )
 
 
-def _check_stored(qt: QuantTensor, stored: tuple[int, ...], dtype: str) -> None:
-    if len(stored) != 2 or stored[0] != qt.shape[0] or stored[1] != -(-qt.shape[1] // qt.pack):
-        raise CaptureError(f"{qt.key} ({qt.file.name}): stored {dtype} {list(stored)} does not hold the "
-                           f"{list(qt.shape)} weight its weight_shape gives.")
-
-
 def _require(index: dict[str, Path], key: str, sibling: str, scheme: str) -> None:
     if sibling not in index:
         raise CaptureError(f"{key} ({index[key].name}): {scheme} weight without its {sibling}; the checkpoint is "
                            "incomplete (check model.safetensors.index.json).")
-
-
-def _read_small(path: Path, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        return handle.get_tensor(key).reshape(-1)
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -324,8 +313,21 @@ def read_dequantized(qt: QuantTensor, region: Region) -> tuple[torch.Tensor, int
     Reads the stored elements that cover the region (a packed byte / word holds 2 / 8 columns) and the scale
     blocks that cover it, dequantizes that window and cuts the region out of it.
     """
+    num_bytes = 0
+    if qt.shape_key is not None:  # the logical width: crop the packed tail
+        from safetensors import safe_open
+
+        with safe_open(qt.shape_file, framework="pt") as handle:
+            shape = handle.get_tensor(qt.shape_key)
+        num_bytes += shape.numel() * shape.element_size()
+        if int(shape[0]) != qt.shape[0] or not qt.shape[1] - 8 < int(shape[1]) <= qt.shape[1]:
+            raise CaptureError(f"{qt.shape_key} ({qt.shape_file.name}): weight_shape {shape.tolist()} does not fit the "
+                               f"packed {qt.key} [{qt.shape[0]}, {qt.shape[1] // 8}].")
+        full = region.cols == (0, qt.shape[1])
+        qt = replace(qt, shape=(qt.shape[0], int(shape[1])), shape_key=None, shape_file=None)
+        region = Region(region.rows, (0, qt.shape[1]) if full else region.cols)
     stored, scale, origin, scale_origin = read_parts(qt, region)
-    num_bytes = stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
+    num_bytes += stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
     window = dequantize(qt, stored, scale, origin, scale_origin)
     r0, c0 = region.rows[0] - origin[0], region.cols[0] - origin[1]
     return window[r0 : r0 + region.rows[1] - region.rows[0], c0 : c0 + region.cols[1] - region.cols[0]], num_bytes
