@@ -159,8 +159,14 @@ class CaptureOptions:
     compute_dtype: str = "auto"
     """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
     the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
+    expert_storage: str = "dequantized"
+    """Quantized checkpoints: ``dequantized`` (every weight dequantized to the compute dtype on load) or
+    ``checkpoint`` (routed experts stay resident in the checkpoint's FP8 / FP4 / INT4 format and are
+    dequantized per expert just before its matmul; same cache bit for bit, less memory)."""
 
     def __post_init__(self) -> None:
+        if self.expert_storage not in ("dequantized", "checkpoint"):
+            raise ValueError(f"must be dequantized or checkpoint, got {self.expert_storage!r}", "expert_storage")
         if self.compute_dtype not in ("auto", *CACHE_DTYPES):
             raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
         if self.pad_to_multiple_of < 0:

@@ -166,7 +166,8 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
 
     groups = new_groups(plan) if plan.world_size > 1 else None
     model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
-                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
+                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config,
+                        expert_storage=cfg.capture.expert_storage)
 
     device = next(model.parameters()).device
     options = cfg.capture

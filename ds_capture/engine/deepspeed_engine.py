@@ -70,19 +70,21 @@ class _ModelParallelUnit:
 
 
 def build_deepspeed_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                          attn_implementation: str | None, ds_config: Mapping[str, Any] | None) -> nn.Module:
+                          attn_implementation: str | None, ds_config: Mapping[str, Any] | None,
+                          expert_storage: str = "dequantized") -> nn.Module:
     """This rank's shard of the frozen target: EP over ``groups.ep_group``, AutoTP over ``groups.tp_group``."""
     if plan.tp_size == 1 and plan.ep_size == 1:
         # Pure data parallelism replicates the model: every rank loads it whole, as one process would.
-        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation)
+        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
+                                  expert_storage=expert_storage)
     model, _ = build_sharded_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation,
-                                   ds_config=ds_config)
+                                   ds_config=ds_config, expert_storage=expert_storage)
     return model
 
 
 def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                        attn_implementation: str | None,
-                        ds_config: Mapping[str, Any] | None) -> tuple[nn.Module, LoadStats]:
+                        attn_implementation: str | None, ds_config: Mapping[str, Any] | None,
+                        expert_storage: str = "dequantized") -> tuple[nn.Module, LoadStats]:
     """:func:`build_deepspeed_model` for a world > 1, also returning what this rank read from disk."""
     family = target.family
     if plan.tp_size > 1 and not family.supports_tp:
@@ -93,6 +95,10 @@ def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: to
     if plan.tp_size > 1:
         model = apply_autotp(model, tp_group=groups.tp_group, dp_group=groups.dp_group, dtype=dtype,
                              tp_grain_size=_tp_grain_size(ds_config))
+    if expert_storage == "checkpoint":
+        from ds_capture.engine.resident_experts import keep_experts_quantized
+
+        keep_experts_quantized(model, target)  # after EP / AutoTP: the rank's experts, kept in the checkpoint format
     stats = load_owned_parameters(model, target)
     return model.eval().requires_grad_(False), stats
 

@@ -155,6 +155,8 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
                 sizes = meta["partition_sizes"]
                 owned[prefix + leaf] = OwnedSlice(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
                                                   length=sizes[module.tp_index])
+        if getattr(module, "resident_quantized", False) and module.owned is not None:
+            owned[module_name] = module.owned  # experts kept quantized (resident_experts): the EP rank's experts
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:
@@ -213,7 +215,7 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    model_names = set(model.state_dict().keys())
+    model_names = set(model.state_dict().keys()) | set(_resident_stacks(model))
     sources: dict[str, list[str]] = defaultdict(list)
     converter_of: dict[str, Any] = {}
     pattern_of: dict[str, str] = {}
@@ -286,7 +288,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     used = {key for keys in key_map.sources.values() for key in keys}
     key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
-    state = model.state_dict(keep_vars=True)
+    state = {**model.state_dict(keep_vars=True), **_resident_stacks(model)}
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
     if target.tie_word_embeddings and lm_head in state and lm_head not in sources and embed in sources:
         sources[lm_head] = sources[embed]  # tied: the lm_head is the embedding
@@ -298,6 +300,11 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
             "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
         )
     return index, key_map, state
+
+
+def _resident_stacks(model: nn.Module) -> dict[str, nn.Module]:
+    """Fused expert tensors held in the checkpoint's quantized format (:mod:`.resident_experts`), by name."""
+    return {name: module for name, module in model.named_modules() if getattr(module, "resident_quantized", False)}
 
 
 def default_device() -> torch.device:
@@ -356,6 +363,12 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
         cut = owned.get(name)
         if cut is not None and cut.length == 0:
             continue  # e.g. an FSDP2 rank past the last chunk of a small dim
+        if getattr(destinations[name], "resident_quantized", False):  # raw parts, one owned expert at a time
+            keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
+            slot_of.update(_expert_slots(keys, key_map.pattern_of))
+            for key in keys:
+                reads[index[key]].append((key, name, None))
+            continue
         if name in converter_of:
             converter = converter_of[name]
             stacked = isinstance(converter.operations[0], MergeModulelist)
@@ -380,6 +393,12 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 read_since_trim = 0
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
+            if getattr(destinations[name], "resident_quantized", False):
+                num_bytes = destinations[name].put(slot_of[key], key_map.pattern_of[key], key_map.quantized[key],
+                                                   converter_of[name])
+                stats.bytes_read += num_bytes
+                stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
+                continue
             if key in key_map.quantized:  # the stored bytes and scale blocks covering the slice, dequantized
                 qt = key_map.quantized[key]
                 region = quant.region_of(qt, cut.dim, cut.start, cut.length) if cut else quant.region_of(qt, None, 0, 0)

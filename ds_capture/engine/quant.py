@@ -313,24 +313,30 @@ def read_dequantized(qt: QuantTensor, region: Region) -> tuple[torch.Tensor, int
     Reads the stored elements that cover the region (a packed byte / word holds 2 / 8 columns) and the scale
     blocks that cover it, dequantizes that window and cuts the region out of it.
     """
-    num_bytes = 0
-    if qt.shape_key is not None:  # the logical width: crop the packed tail
-        from safetensors import safe_open
-
-        with safe_open(qt.shape_file, framework="pt") as handle:
-            shape = handle.get_tensor(qt.shape_key)
-        num_bytes += shape.numel() * shape.element_size()
-        if int(shape[0]) != qt.shape[0] or not qt.shape[1] - 8 < int(shape[1]) <= qt.shape[1]:
-            raise CaptureError(f"{qt.shape_key} ({qt.shape_file.name}): weight_shape {shape.tolist()} does not fit the "
-                               f"packed {qt.key} [{qt.shape[0]}, {qt.shape[1] // 8}].")
-        full = region.cols == (0, qt.shape[1])
-        qt = replace(qt, shape=(qt.shape[0], int(shape[1])), shape_key=None, shape_file=None)
-        region = Region(region.rows, (0, qt.shape[1]) if full else region.cols)
+    qt, num_bytes = resolve_shape(qt)
+    if region.cols[1] > qt.shape[1]:  # a whole-width region planned on the packed width
+        region = Region(region.rows, (region.cols[0], qt.shape[1]))
     stored, scale, origin, scale_origin = read_parts(qt, region)
     num_bytes += stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
     window = dequantize(qt, stored, scale, origin, scale_origin)
     r0, c0 = region.rows[0] - origin[0], region.cols[0] - origin[1]
     return window[r0 : r0 + region.rows[1] - region.rows[0], c0 : c0 + region.cols[1] - region.cols[0]], num_bytes
+
+
+def resolve_shape(qt: QuantTensor) -> tuple[QuantTensor, int]:
+    """``qt`` with its logical width read from compressed-tensors' ``weight_shape`` (unchanged for the other
+    schemes), and the bytes that read."""
+    if qt.shape_key is None:
+        return qt, 0
+    from safetensors import safe_open
+
+    with safe_open(qt.shape_file, framework="pt") as handle:
+        shape = handle.get_tensor(qt.shape_key)
+    if shape.numel() != 2 or int(shape[0]) != qt.shape[0] or not qt.shape[1] - 8 < int(shape[1]) <= qt.shape[1]:
+        raise CaptureError(f"{qt.shape_key} ({qt.shape_file.name}): weight_shape {shape.tolist()} does not fit the "
+                           f"packed {qt.key} [{qt.shape[0]}, {qt.shape[1] // 8}].")
+    return replace(qt, shape=(qt.shape[0], int(shape[1])), shape_key=None, shape_file=None), \
+        shape.numel() * shape.element_size()
 
 
 def read_parts(qt: QuantTensor, region: Region
