@@ -208,10 +208,11 @@ _MTP = {"deepseek_v4": ("layers.3.", "mtp.0."), "kimi_k25": ("language_model.mod
                                                             "language_model.model.layers.4.")}
 
 
-def build_release_pair(root: Path, model_type: str, scheme: str) -> tuple[Path, Path]:
+def build_release_pair(root: Path, model_type: str, scheme: str, **sizes) -> tuple[Path, Path]:
+    """``sizes``: config overrides on top of the ragged tiny sizes (benchmarks build bigger targets)."""
     from ds_capture.demo import build_tiny_target
 
-    source = build_tiny_target(root / "source", model_type, seed=0, **_overrides(model_type))
+    source = build_tiny_target(root / "source", model_type, seed=0, **{**_overrides(model_type), **sizes})
     randomize_hash_routes(source)
     to_release_layout(source)
     quantized, reference = root / "quantized", root / "reference"
