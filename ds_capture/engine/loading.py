@@ -14,6 +14,9 @@ What a rank owns is read off the model itself, so the loader needs no plan:
     only those experts' checkpoint tensors are opened.
 On-disk names are mapped to in-memory parameters with transformers' own conversion mapping (the one
 ``from_pretrained`` uses: per-expert ``experts.E.gate_proj.weight`` -> fused ``experts.gate_up_proj``).
+Quantized tensors (FP8 / FP4 / INT4 with their scales: :mod:`.quant`) are mapped under their logical key and
+read as this rank's slice dequantized, or, for experts kept resident (:mod:`.resident_experts`), as stored.
+Multi-token-prediction tensors are never read.
 One tensor is mapped at a time and cloned out of the mapping (DESIGN §6); :func:`fill_from_checkpoint` is the
 read loop every engine shares (the FSDP2 engine passes its DTensor chunks).
 """
@@ -397,6 +400,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 num_bytes = destinations[name].put(slot_of[key], key_map.pattern_of[key], key_map.quantized[key],
                                                    converter_of[name])
                 stats.bytes_read += num_bytes
+                read_since_trim += num_bytes
                 stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
                 continue
             if key in key_map.quantized:  # the stored bytes and scale blocks covering the slice, dequantized

@@ -118,3 +118,12 @@ def test_every_experts_implementation_is_bit_identical(pairs, implementation):
         with torch.no_grad():
             outputs.append(model(input_ids=input_ids, output_hidden_states=True).hidden_states)
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_expert_storage_is_validated_in_the_recipe(write_recipe):
+    path = write_recipe({"capture": {"expert_storage": "fp8"}, "recipe_args": dict(
+        target_model_name_or_path="t", train_data_path="d.jsonl", cache_output_dir="out", seq_length=64)})
+    with pytest.raises(CaptureError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"{path}: `capture.expert_storage` must be dequantized or checkpoint, got 'fp8'."
+    assert load_config(path, ["capture.expert_storage=checkpoint"]).capture.expert_storage == "checkpoint"
