@@ -45,6 +45,7 @@ SUPPORTED = (
 )
 _SUPPORTED_METHODS = ("fp8", "compressed-tensors")
 _SUPPORTED_CT_FORMATS = ("pack-quantized", "float-quantized", "dense")
+"""Per group; a top-level ``mixed-precision`` defers to the groups' own formats."""
 
 _FP8 = ("F8_E4M3",)
 _PACKED_FP4 = ("I8", "U8")
@@ -125,14 +126,17 @@ def read_quant_config(raw: dict, config_path: Path | str) -> QuantConfig:
 
 
 def _compressed_tensors_config(quantization: dict, where: str) -> QuantConfig:
-    fmt = quantization.get("format")
-    if fmt not in _SUPPORTED_CT_FORMATS:
-        raise CaptureError(f"{where}: compressed-tensors format {fmt!r} is not supported. Supported: {SUPPORTED}.")
+    """compressed-tensors: the format may be top-level or per config group (``mixed-precision``)."""
+    groups = quantization.get("config_groups") or {}
+    top = quantization.get("format")
+    formats = {name: (group or {}).get("format") or top for name, group in groups.items()} or {"": top}
     group_size = 32
-    for name, group in (quantization.get("config_groups") or {}).items():
-        weights = (group or {}).get("weights") or {}
-        group_fmt = group.get("format") or fmt
-        if group_fmt == "pack-quantized":
+    for name, fmt in formats.items():
+        if fmt not in _SUPPORTED_CT_FORMATS:
+            label = f"{where}.config_groups.{name}" if name else where
+            raise CaptureError(f"{label}: compressed-tensors format {fmt!r} is not supported. Supported: {SUPPORTED}.")
+        weights = ((groups.get(name) or {}).get("weights") or {}) if name else {}
+        if fmt == "pack-quantized":
             if weights.get("num_bits") != 4 or weights.get("type", "int") != "int" or not weights.get("symmetric", True):
                 raise CaptureError(
                     f"{where}.config_groups.{name}: pack-quantized {weights.get('num_bits')}-bit "

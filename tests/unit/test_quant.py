@@ -283,3 +283,31 @@ def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path,
         for rank in range(4):
             piece, _ = quant.read_dequantized(qt, quant.region_of(qt, dim, rank * size, size))
             assert torch.equal(piece, ref.narrow(dim, rank * size, size)), (dim, rank)
+
+
+def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what_cannot_be_read():
+    from ds_capture.engine.quant import QuantConfig, read_quant_config
+
+    int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    assert read_quant_config({}, "c.json") == QuantConfig()
+    assert read_quant_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}},
+                             "c.json").block == (64, 32)
+    kimi = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"weights": int4}}}
+    assert read_quant_config({"text_config": {"quantization_config": kimi}}, "c.json").group_size == 32
+    per_group = {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                 "config_groups": {"g": {"format": "pack-quantized", "weights": {**int4, "group_size": 128}}}}
+    assert read_quant_config({"quantization_config": per_group}, "c.json").group_size == 128
+    cases = [
+        ({**kimi, "config_groups": {"group_0": {"weights": {**int4, "num_bits": 8}}}},
+         "c.json: quantization_config.config_groups.group_0: pack-quantized 8-bit int symmetric=True is not supported."),
+        ({**kimi, "format": "nvfp4-pack-quantized"},
+         "c.json: quantization_config.config_groups.group_0: compressed-tensors format 'nvfp4-pack-quantized' is not "
+         "supported."),
+        ({"quant_method": "fp8", "weight_block_size": [128]},
+         "c.json: quantization_config.weight_block_size [128] is not two positive integers (e.g. [128, 128])."),
+    ]
+    for section, message in cases:
+        with pytest.raises(CaptureError) as caught:
+            read_quant_config({"quantization_config": section}, "c.json")
+        assert str(caught.value).startswith(message), str(caught.value)
