@@ -130,7 +130,7 @@ def _compressed_tensors_config(quantization: dict, where: str) -> QuantConfig:
     groups = quantization.get("config_groups") or {}
     top = quantization.get("format")
     formats = {name: (group or {}).get("format") or top for name, group in groups.items()} or {"": top}
-    group_size = 32
+    group_size, block = 32, (128, 128)
     for name, fmt in formats.items():
         if fmt not in _SUPPORTED_CT_FORMATS:
             label = f"{where}.config_groups.{name}" if name else where
@@ -143,7 +143,9 @@ def _compressed_tensors_config(quantization: dict, where: str) -> QuantConfig:
                     f"{weights.get('type')} symmetric={weights.get('symmetric')} is not supported. Supported: {SUPPORTED}."
                 )
             group_size = int(weights.get("group_size") or 32)
-    return QuantConfig(method="compressed-tensors", group_size=group_size)
+        if weights.get("block_structure"):  # float-quantized with strategy block
+            block = tuple(int(b) for b in weights["block_structure"])
+    return QuantConfig(method="compressed-tensors", block=block, group_size=group_size)
 
 
 def load_quant_config(checkpoint: Path) -> QuantConfig:

@@ -298,6 +298,9 @@ def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what
     per_group = {"quant_method": "compressed-tensors", "format": "mixed-precision",
                  "config_groups": {"g": {"format": "pack-quantized", "weights": {**int4, "group_size": 128}}}}
     assert read_quant_config({"quantization_config": per_group}, "c.json").group_size == 128
+    ct_block = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 64]}}}}
+    assert read_quant_config({"quantization_config": ct_block}, "c.json").block == (128, 64)
     cases = [
         ({**kimi, "config_groups": {"group_0": {"weights": {**int4, "num_bits": 8}}}},
          "c.json: quantization_config.config_groups.group_0: pack-quantized 8-bit int symmetric=True is not supported."),
