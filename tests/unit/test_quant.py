@@ -314,3 +314,24 @@ def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what
         with pytest.raises(CaptureError) as caught:
             read_quant_config({"quantization_config": section}, "c.json")
         assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_a_stale_quantization_config_over_bf16_tensors_just_loads(tmp_path):
+    """An offline-converted bf16 directory that kept the release's quantization_config loads as bf16 tensors."""
+    from ds_capture.demo import build_tiny_target
+
+    plain = build_tiny_target(tmp_path / "plain", "deepseek_v3", seed=0, dtype=torch.bfloat16, num_hidden_layers=2)
+    stale = tmp_path / "stale"
+    shutil.copytree(plain, stale)
+    config = json.loads((stale / "config.json").read_text())
+    config["quantization_config"] = qr.QUANT_CONFIGS["fp8"]
+    (stale / "config.json").write_text(json.dumps(config))
+    models = []
+    for path in (plain, stale):
+        info = read_target_info(path)
+        model = build_meta_model(info, dtype=torch.bfloat16, attn_implementation=None)
+        stats = load_owned_parameters(model, info)
+        models.append((model.state_dict(), stats.bytes_read))
+    (ours, read), (theirs, read_plain) = models[1], models[0]
+    assert read == read_plain and sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
