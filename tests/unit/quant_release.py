@@ -212,7 +212,12 @@ def build_release_pair(root: Path, model_type: str, scheme: str, **sizes) -> tup
     """``sizes``: config overrides on top of the ragged tiny sizes (benchmarks build bigger targets)."""
     from ds_capture.demo import build_tiny_target
 
-    source = build_tiny_target(root / "source", model_type, seed=0, **{**_overrides(model_type), **sizes})
+    overrides = _overrides(model_type)
+    if "text_config" in overrides:  # Kimi-K2.5: the sizes are the text decoder's
+        overrides["text_config"] = {**overrides["text_config"], **sizes}
+    else:
+        overrides.update(sizes)
+    source = build_tiny_target(root / "source", model_type, seed=0, **overrides)
     randomize_hash_routes(source)
     to_release_layout(source)
     quantized, reference = root / "quantized", root / "reference"
