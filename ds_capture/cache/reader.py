@@ -36,7 +36,7 @@ from ds_capture.cache.format import (
     checksum_name,
     shard_name,
 )
-from ds_capture.cache.writer import read_recorded_checksum, sha256_file
+from ds_capture.cache.writer import file_checksum, read_recorded_checksum
 from ds_capture.errors import CaptureError
 
 _MAX_LISTED = 10
@@ -236,10 +236,18 @@ def _verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
     recorded = read_recorded_checksum(cache_dir, index)
     if recorded is None:
         record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
-        report.problems.append(f"{name}: no recorded sha256 ({record}) to check against")
-    elif (actual := sha256_file(cache_dir / name)) != recorded:
+        report.problems.append(f"{name}: no recorded checksum ({record}) to check against")
+        return
+    algorithm = recorded.partition(":")[0]
+    try:
+        actual = file_checksum(cache_dir / name, algorithm)
+    except ValueError as error:
+        report.problems.append(f"{name}: its {algorithm} checksum cannot be computed ({error})")
+        return
+    if actual != recorded:
         report.problems.append(
-            f"{name}: sha256 {actual} differs from the recorded {recorded}: the file changed after it was written"
+            f"{name}: {algorithm} {actual.partition(':')[2]} differs from the recorded {recorded.partition(':')[2]}: "
+            "the file changed after it was written"
         )
 
 

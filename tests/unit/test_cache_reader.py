@@ -30,7 +30,7 @@ def test_verify_with_checksums_needs_records():
     report = verify_cache(fixture_dir("cache_fp32"), checksums=True)
     assert not report.ok
     assert report.problems == [
-        f"shard-00000{i}.safetensors: no recorded sha256 (.ds_capture/checksums/shard-00000{i}.sha256) to check against"
+        f"shard-00000{i}.safetensors: no recorded checksum (.ds_capture/checksums/shard-00000{i}.checksum) to check against"
         for i in range(3)
     ]
 
@@ -48,7 +48,7 @@ def test_verify_writer_cache_with_checksums_and_detects_changed_bytes(tmp_path):
     path.write_bytes(bytes(data))
     problems = verify_cache(tmp_path, checksums=True).problems
     assert len(problems) == 2 and "differs from target_last_hidden_states" in problems[0]
-    assert problems[1].startswith("shard-000001.safetensors: sha256 ") and problems[1].endswith(
+    assert problems[1].startswith("shard-000001.safetensors: xxh3-128-rows ") and problems[1].endswith(
         "the file changed after it was written"
     )
 
