@@ -25,7 +25,9 @@ import torch
 from ds_capture import __version__
 from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
+from ds_capture.cache.staging import HostStaging, slot_bytes
 from ds_capture.cache.writer import (
+    DSparkShards,
     check_output_dir,
     prepare_output_dir,
     write_atomic,
@@ -75,6 +77,17 @@ class RunSummary:
     """Time in the forward/write loop (``seconds`` also counts data preparation and model loading)."""
     published: bool = True
     """False when the directory already held this complete cache and nothing was (re)written."""
+    logical_bytes: int = 0
+    """Size of the shards written (``st_size``): what a reader sees."""
+    disk_bytes: int = 0
+    """Their blocks on disk (``st_blocks * 512``): below ``logical_bytes`` where padding tails are holes."""
+    writer_busy_seconds: float = 0.0
+    """This rank's writer time spent writing (the rest of the loop it waited for work)."""
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the shards' logical bytes that were never written (padding left as holes)."""
+        return 1 - self.bytes_written / self.logical_bytes if self.logical_bytes else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,7 +102,9 @@ class RunSummary:
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
             f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
-            f"{self.bytes_written / 2**20:,.1f} MiB written; {self.seconds:.1f} s in all"
+            f"{self.bytes_written / 2**20:,.1f} MiB written of {self.logical_bytes / 2**20:,.1f} MiB logical "
+            f"({self.padding_fraction:.0%} padding not written), {self.disk_bytes / 2**20:,.1f} MiB on disk; "
+            f"{self.seconds:.1f} s in all"
         )
 
 
@@ -181,10 +196,9 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
                         is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
-    batches_per_shard = -(-manifest.shard_size // args.micro_batch_size)
     nonfinite: list[int] = []
-    writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
-                              batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
+    writer = AsyncShardWriter(DSparkShards(out_dir, manifest), _host_staging(manifest, args.micro_batch_size,
+                              options.writer_buffer_mib, device), synchronous=options.writer_buffer_mib == 0)
     with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
             model, target.family, layer_ids, target.num_hidden_layers) as hooks:
         for step in range(num_steps):
@@ -198,10 +212,14 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                 progress.step(step, 0, 0, writer=writer)
                 continue
             hidden, last = hooks.collect(dtype)
+            hooks.reset()  # the hooks' own references to this forward's activations go now
             _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)
             if plan.is_writer:
-                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
-                                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last))
+                # The states leave the device here (into a bounded host slot); nothing queued holds device memory.
+                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, num_tokens=batch.num_tokens,
+                                      tensors={"input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+                                               "target_hidden_states": hidden, "target_last_hidden_states": last}))
+            del hidden, last
             progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
@@ -213,13 +231,23 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     if plan.is_manifest_writer:
         with _output_errors(out_dir):
             write_manifest(out_dir, manifest.with_complete(True))
-    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
+    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written, writer.logical_bytes, writer.disk_bytes])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
-        capture_seconds=time.perf_counter() - loop_started,
+        capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
+        writer_busy_seconds=writer.busy_seconds,
     )
+
+
+def _host_staging(manifest: Manifest, micro_batch_size: int, buffer_mib: int, device: torch.device) -> HostStaging:
+    """Slots for the captured states of ``buffer_mib`` MiB of micro-batches at full length (at least one)."""
+    S, dtype = manifest.seq_length, DTYPES[manifest.dtype]
+    states = {"target_hidden_states": ((micro_batch_size, S, manifest.target_hidden_dim), dtype),
+              "target_last_hidden_states": ((micro_batch_size, S, manifest.target_last_hidden_dim), dtype)}
+    per_batch = slot_bytes(states)
+    return HostStaging(max_in_flight=max(1, (buffer_mib << 20) // per_batch), buffer_bytes=per_batch, device=device)
 
 
 def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,
