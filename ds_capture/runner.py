@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -150,25 +151,35 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
     try:
-        # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
-        # the rows of its own DP range. Any failure here ends every rank with the first message.
-        error, prepared = None, None
-        try:
-            prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
-        except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
-            error = caught
-        agree_on_error(error)
-        return _capture(cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_capture-load") as pool:
+            # One process: the model loads while the data is read and tokenised (no collective in either,
+            # and both release the GIL for much of their time). Nothing is written until both are done
+            # and every row is valid; a refusal still writes nothing (it is raised once the load returns).
+            model = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
+            # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
+            # the rows of its own DP range. Any failure here ends every rank with the first message.
+            error, prepared = None, None
+            try:
+                prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
+            except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
+                error = caught
+            agree_on_error(error)
+            return _capture(cfg, target, layer_ids, plan, prepared, model, started=started,
+                            show_progress=show_progress)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared", *,
-             started: float, show_progress: bool) -> RunSummary:
+def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelPlan, groups) -> torch.nn.Module:
+    return build_model(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+                       attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config)
+
+
+def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared",
+             loading: Future | None, *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     dtype = DTYPES[args.cache_dtype]
-    compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
     done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
@@ -179,9 +190,10 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False)
 
-    groups = new_groups(plan) if plan.world_size > 1 else None
-    model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
-                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
+    if loading is not None:
+        model = loading.result()
+    else:
+        model = _build_model(cfg, target, plan, new_groups(plan) if plan.world_size > 1 else None)
 
     device = next(model.parameters()).device
     options = cfg.capture
