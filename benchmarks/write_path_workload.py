@@ -68,7 +68,7 @@ def build_workload(root: Path) -> WritePathWorkload:
 
 
 def _write_rows(path: Path, target: Path) -> None:
-    """Rows of demo turns stitched until each reaches a length drawn uniformly from [32, 880] tokens."""
+    """Rows of demo turns stitched until each reaches a length drawn uniformly from [24, 790] tokens."""
     from transformers import AutoTokenizer
 
     from ds_capture.demo import demo_data_path
@@ -82,7 +82,7 @@ def _write_rows(path: Path, target: Path) -> None:
     rng = random.Random(16)
     rows, cursor = [], 0
     for _ in range(NUM_ROWS):
-        goal = rng.randint(32, 880)
+        goal = rng.randint(24, 790)
         messages = [{"role": "system", "content": "You are a helpful assistant."}]
         while len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)) < goal:
             messages += [dict(m) for m in turns[cursor % len(turns)]]
