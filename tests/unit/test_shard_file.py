@@ -245,3 +245,34 @@ def test_a_failed_shard_leaves_no_tmp_and_no_final_file(tmp_path, monkeypatch):
                 writer.put(batch)
     assert isinstance(caught.value.__cause__, OSError)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_queued_states_hold_no_device_memory(tmp_path):
+    """Captured states leave the device at put: pinned slots, a side-stream copy, nothing queued on the GPU."""
+    from ds_capture.cache.staging import slot_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    manifest = _wide_manifest()
+    *batches, dense = _micro_batches(manifest, 0, [256, 17, 200, 1, 64, 90])
+    shapes = {key: ((2, 256, manifest.target_hidden_dim if key == "target_hidden_states" else 64), torch.float32)
+              for key in DSparkShards.zero_tail}
+    staging = HostStaging(max_in_flight=2, buffer_bytes=slot_bytes(shapes), device=device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with AsyncShardWriter(DSparkShards(tmp_path, manifest), staging) as writer:
+        for batch in batches:
+            on_device = {key: v.to(device) if key in DSparkShards.zero_tail else v for key, v in batch.tensors.items()}
+            writer.put(MicroBatch(batch.shard_index, batch.rows, batch.num_tokens, on_device))
+            del on_device
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in staging._free) if staging._free else True
+    torch.cuda.synchronize()
+    torch.empty(1, device=device)  # lets the allocator retire blocks whose side-stream copies have finished
+    one_batch = max(sum(v.numel() * v.element_size() for k, v in b.tensors.items() if k in DSparkShards.zero_tail)
+                    for b in batches)
+    assert torch.cuda.memory_allocated(device) - base <= 512  # the 1-element tensor above
+    assert torch.cuda.max_memory_allocated(device) - base <= 2 * one_batch + 4096
+    loaded = load_file(tmp_path / shard_name(0))
+    assert all(torch.equal(loaded[key], dense[key]) for key in loaded)
