@@ -149,8 +149,10 @@ class CaptureOptions:
     Hidden states at padding positions are written as 0 either way."""
     sort_by_length: bool = True
     """Batch rows of similar length together within each shard (rows are still written in dataset order)."""
-    writer_queue_shards: int = 2
-    """Shards' worth of micro-batches the asynchronous writer may hold (0: write synchronously)."""
+    writer_buffer_mib: int = 1024
+    """Host memory (MiB) for captured micro-batches waiting to be written (pinned on CUDA): the forward
+    loop waits while it is full. At least one micro-batch fits whatever the value; 0 writes synchronously.
+    Whole shards are never held: rows go to their place in the shard file as their micro-batch completes."""
     nan_policy: str = "fail"
     """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
@@ -171,8 +173,8 @@ class CaptureOptions:
             raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
         if self.pad_to_multiple_of < 0:
             raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
-        if self.writer_queue_shards < 0:
-            raise ValueError(f"must be >= 0, got {self.writer_queue_shards}", "writer_queue_shards")
+        if self.writer_buffer_mib < 0:
+            raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
         if self.nan_policy not in ("fail", "record"):
             raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
         if self.metrics_interval_steps < 1:

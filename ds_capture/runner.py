@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,7 +26,9 @@ import torch
 from ds_capture import __version__
 from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
+from ds_capture.cache.staging import HostStaging, slot_bytes
 from ds_capture.cache.writer import (
+    DSparkShards,
     check_output_dir,
     prepare_output_dir,
     write_atomic,
@@ -75,6 +78,17 @@ class RunSummary:
     """Time in the forward/write loop (``seconds`` also counts data preparation and model loading)."""
     published: bool = True
     """False when the directory already held this complete cache and nothing was (re)written."""
+    logical_bytes: int = 0
+    """Size of the shards written (``st_size``): what a reader sees."""
+    disk_bytes: int = 0
+    """Their blocks on disk (``st_blocks * 512``): below ``logical_bytes`` where padding tails are holes."""
+    writer_busy_seconds: float = 0.0
+    """This rank's writer time spent writing (the rest of the loop it waited for work)."""
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the shards' logical bytes that were never written (padding left as holes)."""
+        return 1 - self.bytes_written / self.logical_bytes if self.logical_bytes else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,7 +103,9 @@ class RunSummary:
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
             f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
-            f"{self.bytes_written / 2**20:,.1f} MiB written; {self.seconds:.1f} s in all"
+            f"{self.bytes_written / 2**20:,.1f} MiB written of {self.logical_bytes / 2**20:,.1f} MiB logical "
+            f"({self.padding_fraction:.0%} padding not written), {self.disk_bytes / 2**20:,.1f} MiB on disk; "
+            f"{self.seconds:.1f} s in all"
         )
 
 
@@ -135,25 +151,36 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
     try:
-        # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
-        # the rows of its own DP range. Any failure here ends every rank with the first message.
-        error, prepared = None, None
-        try:
-            prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
-        except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
-            error = caught
-        agree_on_error(error)
-        return _capture(cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_capture-load") as pool:
+            # One process: the model loads while the data is read and tokenised (no collective in either,
+            # and both release the GIL for much of their time). Nothing is written until both are done
+            # and every row is valid; a refusal still writes nothing (it is raised once the load returns).
+            model = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
+            # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
+            # the rows of its own DP range. Any failure here ends every rank with the first message.
+            error, prepared = None, None
+            try:
+                prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
+            except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
+                error = caught
+            agree_on_error(error)
+            return _capture(cfg, target, layer_ids, plan, prepared, model, started=started,
+                            show_progress=show_progress)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared", *,
-             started: float, show_progress: bool) -> RunSummary:
+def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelPlan, groups) -> torch.nn.Module:
+    return build_model(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+                       attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config,
+                       expert_storage=cfg.capture.expert_storage)
+
+
+def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared",
+             loading: Future | None, *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     dtype = DTYPES[args.cache_dtype]
-    compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
     done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
@@ -164,10 +191,10 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False)
 
-    groups = new_groups(plan) if plan.world_size > 1 else None
-    model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
-                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config,
-                        expert_storage=cfg.capture.expert_storage)
+    if loading is not None:
+        model = loading.result()
+    else:
+        model = _build_model(cfg, target, plan, new_groups(plan) if plan.world_size > 1 else None)
 
     device = next(model.parameters()).device
     options = cfg.capture
@@ -182,10 +209,9 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
                         is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
-    batches_per_shard = -(-manifest.shard_size // args.micro_batch_size)
     nonfinite: list[int] = []
-    writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
-                              batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
+    writer = AsyncShardWriter(DSparkShards(out_dir, manifest), _host_staging(manifest, args.micro_batch_size,
+                              options.writer_buffer_mib, device), synchronous=options.writer_buffer_mib == 0)
     with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
             model, target.family, layer_ids, target.num_hidden_layers) as hooks:
         for step in range(num_steps):
@@ -199,10 +225,14 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                 progress.step(step, 0, 0, writer=writer)
                 continue
             hidden, last = hooks.collect(dtype)
+            hooks.reset()  # the hooks' own references to this forward's activations go now
             _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)
             if plan.is_writer:
-                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
-                                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last))
+                # The states leave the device here (into a bounded host slot); nothing queued holds device memory.
+                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, num_tokens=batch.num_tokens,
+                                      tensors={"input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+                                               "target_hidden_states": hidden, "target_last_hidden_states": last}))
+            del hidden, last
             progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
@@ -214,13 +244,23 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     if plan.is_manifest_writer:
         with _output_errors(out_dir):
             write_manifest(out_dir, manifest.with_complete(True))
-    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
+    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written, writer.logical_bytes, writer.disk_bytes])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
-        capture_seconds=time.perf_counter() - loop_started,
+        capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
+        writer_busy_seconds=writer.busy_seconds,
     )
+
+
+def _host_staging(manifest: Manifest, micro_batch_size: int, buffer_mib: int, device: torch.device) -> HostStaging:
+    """Slots for the captured states of ``buffer_mib`` MiB of micro-batches at full length (at least one)."""
+    S, dtype = manifest.seq_length, DTYPES[manifest.dtype]
+    states = {"target_hidden_states": ((micro_batch_size, S, manifest.target_hidden_dim), dtype),
+              "target_last_hidden_states": ((micro_batch_size, S, manifest.target_last_hidden_dim), dtype)}
+    per_batch = slot_bytes(states)
+    return HostStaging(max_in_flight=max(1, (buffer_mib << 20) // per_batch), buffer_bytes=per_batch, device=device)
 
 
 def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,

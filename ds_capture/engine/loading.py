@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,17 +138,18 @@ def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
 
 def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
     """Parameter name -> the slice of the checkpoint tensor this rank holds (absent: the whole tensor)."""
-    from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
-
+    # An AutoTP layer exists only if DeepSpeed built it: a process that never imported DeepSpeed (one
+    # process, DP-only ranks) skips its import here (~0.6 s).
+    autotp = sys.modules.get("deepspeed.module_inject.layers")
     owned: dict[str, OwnedSlice] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        if isinstance(module, TensorParallel_Layer):
+        if autotp is not None and isinstance(module, autotp.TensorParallel_Layer):
             # The layer knows its split (sizes frozen at build); re-publish it on the current parameters,
             # since to_empty() replaced the parameter objects that carried it.
             module._mark_uc_metadata()
             for leaf, param in module.named_parameters(recurse=False):
-                meta = getattr(param, DS_AUTOTP_UC_META, None)
+                meta = getattr(param, autotp.DS_AUTOTP_UC_META, None)
                 if meta is None or meta["sub_param_shard_widths"]:
                     raise CaptureError(
                         f"AutoTP sharded {prefix}{leaf} with a layout the loader cannot slice "
