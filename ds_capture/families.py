@@ -204,6 +204,12 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
     from transformers import AutoConfig
 
     config_path = Path(target_dir) / "config.json"
+    if not Path(target_dir).is_dir():
+        what = "is a file, not a directory" if Path(target_dir).exists() else "does not exist"
+        raise CaptureError(
+            f"recipe_args.target_model_name_or_path: {target_dir} {what}. Point it at a local Hugging Face "
+            "checkpoint directory (config.json + *.safetensors + tokenizer files)."
+        )
     if not config_path.is_file():
         raise CaptureError(
             f"recipe_args.target_model_name_or_path: {target_dir} has no config.json. Point it at a local "

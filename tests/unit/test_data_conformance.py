@@ -152,16 +152,29 @@ def test_loss_mask_per_template_and_flag(tokenizer, plain_template, kind, mask_r
 
 
 @needs_fixtures
-@pytest.mark.parametrize("kind", ["markers", "plain"])
-def test_row_without_assistant_is_kept_unsupervised(tokenizer, plain_template, kind):
-    template = tokenizer.chat_template if kind == "markers" else plain_template
+def test_row_without_assistant_is_kept_unsupervised_under_markers(tokenizer):
     rows = tokenize_conversations(
-        [[{"role": "user", "content": "qe"}], CONVERSATION], tokenizer, chat_template=template, seq_length=32,
-        mask_reasoning_content=True, mask_generation_prompt=True,
+        [[{"role": "user", "content": "qe"}], CONVERSATION], tokenizer, chat_template=tokenizer.chat_template,
+        seq_length=32, mask_reasoning_content=True, mask_generation_prompt=True,
     )
     assert len(rows) == 2
     assert rows.loss_mask[0].sum() == 0 and rows.num_tokens[0] == 7  # <|im_start|> user \n q e <|im_end|> \n
     assert rows.loss_mask[1].sum() > 0
+
+
+@needs_fixtures
+def test_row_without_assistant_is_refused_without_markers(tokenizer, plain_template):
+    # NeMo 0.7.0's _build_multiturn_assistant_mask asserts "At least one assistant message is required".
+    with pytest.raises(CaptureError) as err:
+        tokenize_conversations(
+            [CONVERSATION, [{"role": "user", "content": "qe"}]], tokenizer, chat_template=plain_template,
+            seq_length=32, mask_reasoning_content=False, mask_generation_prompt=False,
+        )
+    assert str(err.value) == (
+        "conversation 2: the conversation has no assistant message, and the chat template has no "
+        "{% generation %} markers, so NeMo AutoModel refuses to build its answer-only loss mask. Remove the row, "
+        "or use a template with {% generation %}...{% endgeneration %} markers."
+    )
 
 
 @needs_fixtures
@@ -190,9 +203,10 @@ def test_template_that_rewrites_history_is_refused(tokenizer):
         )
     assert str(err.value) == (
         "conversation 1: rendering its first 1 message(s) alone does not reproduce the start of the whole "
-        "rendered conversation (the chat template rewrites earlier turns), so assistant spans cannot be found "
-        "from conversation prefixes. Use a chat template that wraps assistant turns in "
-        "{% generation %}...{% endgeneration %}."
+        "rendered conversation: the chat template rewrites earlier turns from later ones (Qwen3's stock template "
+        "drops the <think> blocks of earlier turns), so NeMo AutoModel refuses to find assistant spans from "
+        "conversation prefixes. Set recipe_args.chat_template to a template that wraps assistant turns in "
+        "{% generation %}...{% endgeneration %}, or to one that renders every turn the same whatever follows it."
     )
 
 
