@@ -110,3 +110,51 @@ def test_nemo_refusals_seen_are_the_expected_kinds():
         ("glm4_5", "UndefinedError", "'str object' has no attribute 'items'"),  # NeMo's json.dumps vs GLM's .items()
         ("llama3_1", "TemplateError", "This model only supports single tool-cal"),  # parallel tool calls
     }
+
+
+# ----------------------------------------------------------------------------- the cases main refused, as caches
+
+ISSUE_CASES = {
+    # line of real_traffic.jsonl -> what main refused or crashed on
+    "null_content_with_mapping_arguments": 6,  # "content": null on the tool-call turn; arguments a mapping
+    "non_text_part": 8,  # an image_url part next to text parts
+    "mapping_arguments": 14,  # DeepSeek-V3.1 concatenates arguments as a string: a mapping crashed it
+}
+
+
+@pytest.fixture(scope="module")
+def released_target(tmp_path_factory):
+    """A tiny random qwen3 target whose tokenizer is the released DeepSeek-V4 one (vocab 129,280)."""
+    from ds_capture.demo import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("released") / "target", "qwen3", tokenizer=_tokenizer(
+        "deepseek_v3_1"), hidden_size=16, intermediate_size=32, num_hidden_layers=2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(ISSUE_CASES))
+def test_cases_main_refused_give_nemos_ids_and_masks_in_the_cache(case, released_target, tmp_path):
+    from safetensors.torch import load_file
+
+    from ds_capture.config import load_config
+    from ds_capture.runner import run_capture
+
+    import yaml
+
+    line = ISSUE_CASES[case]
+    data = tmp_path / "data.jsonl"
+    data.write_text(DATA.read_text(encoding="utf-8").splitlines()[line - 1] + "\n", encoding="utf-8")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+        target_model_name_or_path=str(released_target), train_data_path=str(data),
+        cache_output_dir=str(tmp_path / "cache"), seq_length=512, micro_batch_size=1, cache_shard_size=4,
+        cache_dtype="fp32", target_layer_ids=[0, 1],
+        chat_template=str(FIXTURES / "templates" / "deepseek_v3_1.jinja"))}))
+    run_capture(load_config(recipe), show_progress=False)
+    shard = load_file(str(tmp_path / "cache" / "shard-000000.safetensors"))
+    cell = next(c for c in _recorded("deepseek_v3_1")["cells"]
+                if (c["seq_length"], c["mask_reasoning_content"], c["mask_generation_prompt"]) == (512, False, False))
+    expected = cell["rows"][line - 1]
+    assert shard["input_ids"][0].tolist() == expected["input_ids"]
+    assert shard["loss_mask"][0].tolist() == expected["loss_mask"]
+    assert sum(expected["loss_mask"]) > 0
