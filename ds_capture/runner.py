@@ -99,6 +99,10 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     args = cfg.recipe_args
     env = discover_env()
     target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
+    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
+    if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
+        _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
+                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
     layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
                                   source=cfg.source)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
@@ -262,7 +266,7 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         chat_template_sha256=chat_template_sha256(template),
         bookkeeping={"producer": {"name": "ds_capture", "version": __version__, "engine": cfg.engine,
                                   "world_size": plan.world_size, "dp_size": plan.dp_size, "tp_size": plan.tp_size,
-                                  "ep_size": plan.ep_size}},
+                                  "ep_size": plan.ep_size}, **_reduced_depth(target)},
     )
     samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
     conversations = dataset.conversations(samples.start, samples.stop)
@@ -288,6 +292,15 @@ def _prepare_output_dir(cfg: RunConfig, target: TargetInfo, prepared: "_Prepared
                         restart=restart)
     except OSError as error:
         raise output_error(out_dir, error) from error
+
+
+def _reduced_depth(target: TargetInfo) -> dict:
+    """Bookkeeping of a reduced-depth diagnostic (``num_hidden_layers`` itself records N, as NeMo's does)."""
+    if target.checkpoint_num_hidden_layers is None:
+        return {}
+    return {"reduced_depth": {"target_num_hidden_layers": target.num_hidden_layers,
+                              "checkpoint_num_hidden_layers": target.checkpoint_num_hidden_layers,
+                              "note": "diagnostic only: the target ran its first layers alone; not a usable cache"}}
 
 
 def output_error(out_dir: Path, error: OSError) -> CaptureError:
