@@ -44,6 +44,8 @@ class ChatRows:
     path: str
     num_rows: int
     _read: Callable[[int, int], Iterator[tuple[str, Any]]] = field(repr=False)
+    validated: bool = False
+    """Every selected row was already normalised once while the file was scanned."""
 
     def __len__(self) -> int:
         return self.num_rows
@@ -68,8 +70,9 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows
             f"{path}: dataset not found. Point train_data_path at an existing file or directory. {_FORMATS_HINT}"
         )
     suffix = source.suffix.lower()
+    dropped = DroppedParts()
     if source.is_file() and suffix in JSONL_SUFFIXES:
-        rows = _jsonl_rows(source, path, split)
+        rows = _jsonl_rows(source, path, split, dropped)
     elif source.is_file() and suffix == ".json":
         rows = _json_rows(source, path, split)
     elif source.is_dir() or suffix == ".parquet":
@@ -79,9 +82,9 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows
     if not rows.num_rows:
         chosen = f" after applying split {split!r}" if split else ""
         raise CaptureError(f"{path}: the dataset has no rows{chosen}. Add rows to the dataset or widen the split.")
-    dropped = DroppedParts()
-    for where, row in rows._read(0, rows.num_rows):
-        normalize_row(row, where, dropped)
+    if not rows.validated:
+        for where, row in rows._read(0, rows.num_rows):
+            normalize_row(row, where, dropped)
     dropped.warn()
     return rows
 
@@ -89,8 +92,9 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows
 # ----------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_rows(source: Path, path: str, split: str | None) -> ChatRows:
-    """One pass records where each row's line starts (8 bytes a row); rows are parsed when read."""
+def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts) -> ChatRows:
+    """One pass records where each row's line starts (8 bytes a row) and, without a split (every row is
+    selected), validates each row as it goes; rows are parsed again when read."""
     offsets, pieces, numbers = array("q"), array("l"), array("q")
     number = 0
     with source.open("rb") as handle:
@@ -101,6 +105,8 @@ def _jsonl_rows(source: Path, path: str, split: str | None) -> ChatRows:
             for piece, line in enumerate(text.splitlines()):
                 number += 1
                 if line.strip():
+                    if split is None:
+                        normalize_row(_parse_line(line, source, number), f"{path} line {number}", dropped)
                     offsets.append(offset)
                     pieces.append(piece)
                     numbers.append(number)
@@ -114,7 +120,7 @@ def _jsonl_rows(source: Path, path: str, split: str | None) -> ChatRows:
                 line = handle.readline().decode("utf-8").splitlines()[pieces[k]]
                 yield f"{path} line {numbers[k]}", _parse_line(line, source, numbers[k])
 
-    return ChatRows(path=path, num_rows=len(order), _read=read)
+    return ChatRows(path=path, num_rows=len(order), _read=read, validated=split is None)
 
 
 def _decode(raw: bytes, source: Path, offset: int, number: int) -> str:
