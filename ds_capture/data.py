@@ -1,21 +1,21 @@
-"""Data stage: a chat dataset on disk -> validated conversations -> tokenized rows with loss masks.
+"""Data stage: validated conversations -> tokenized rows with NeMo AutoModel 0.7.0's loss masks.
 
-In:  a dataset path (JSONL / JSON list / parquet / a ``datasets`` directory), a split expression and
-     a shuffle seed; then a tokenizer, the effective chat template, ``seq_length`` and the two mask flags.
-Out: ``read_conversations`` -> ``list[list[Message]]`` (OpenAI-format messages, every row validated);
-     ``tokenize_conversations`` -> ``TokenizedRows`` (input_ids / loss_mask [N, S], num_tokens [N]).
+In:  :class:`~ds_capture.messages.Conversation` rows (``ds_capture.reading.open_dataset`` reads and validates
+     them; ``read_conversations`` is re-exported here), a tokenizer, the effective chat template,
+     ``seq_length`` and the two mask flags.
+Out: ``tokenize_conversations`` -> ``TokenizedRows`` (input_ids / loss_mask [N, S], num_tokens [N]), or a
+     ``CaptureError`` naming the row for what NeMo refuses (no assistant turn without markers, a template
+     that rewrites earlier turns, a template that raises on the row).
 
 The tokenization reproduces NeMo AutoModel 0.7.0's ``ChatDataset(unshifted=True, padding="max_length",
-truncation=True)`` exactly (DESIGN §4), checked against the reference caches in the shared fixtures:
+truncation=True)`` exactly (DESIGN §4), checked against NeMo's own caches and recordings in tests/fixtures:
 
-- render with ``apply_chat_template`` (no extra special tokens), right-truncate to S, right-pad to S;
+- render with ``apply_chat_template`` (the row's ``tools`` passed along), right-truncate to S, right-pad to S;
 - loss_mask from ``{% generation %}`` markers when the template has them (tokens overlapping a marked
   character span), otherwise each assistant message spans ``len(render(m[:i]))..len(render(m[:i+1]))``;
 - ``mask_generation_prompt`` clears, per assistant turn, the block that ``add_generation_prompt=True``
   appends to the rendered prefix (when the turn opens with that whole block);
 - ``mask_reasoning_content`` clears the tokens that change when that turn's reasoning is emptied.
-
-Message = ``{"role": system|user|assistant|tool, "content": str, "reasoning_content"?: str, ...}``.
 """
 
 from __future__ import annotations
