@@ -111,6 +111,8 @@ class RecipeArgs:
     """Captured layers (strictly increasing; -1 = embeddings, L-1 = post-final-norm). Default: DESIGN §3 rule."""
     draft_num_hidden_layers: int = 5
     """Drives the default layer ids when target_layer_ids is unset."""
+    target_num_hidden_layers: int | None = None
+    """NeMo's reduced-depth diagnostic: build and read only the first N decoder layers (1 <= N <= L)."""
     chat_template: str | None = None
     """Override of the tokenizer's chat template: inline Jinja or a file path."""
     mask_reasoning_content: bool = False

@@ -10,7 +10,7 @@ branches on ``model_type``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -197,6 +197,26 @@ class TargetInfo:
     num_key_value_heads: int | None
     num_experts: int | None
     tie_word_embeddings: bool
+    checkpoint_num_hidden_layers: int | None = None
+    """Set when ``recipe_args.target_num_hidden_layers`` builds only the first ``num_hidden_layers`` of them."""
+
+    def with_depth(self, num_layers: int | None, *, source: str) -> "TargetInfo":
+        """NeMo's reduced-depth diagnostic: only the first ``num_layers`` decoder layers (1..L), or self."""
+        if num_layers is None:
+            return self
+        if not 1 <= num_layers <= self.num_hidden_layers:
+            raise CaptureError(
+                f"{source}: recipe_args.target_num_hidden_layers={num_layers} must be in [1, "
+                f"{self.num_hidden_layers}] (the checkpoint's depth, {self.path / 'config.json'})."
+            )
+        return replace(self, num_hidden_layers=num_layers, checkpoint_num_hidden_layers=self.num_hidden_layers)
+
+    @property
+    def skipped_layer_modules(self) -> tuple[str, ...]:
+        """Module paths of the decoder layers a reduced-depth build leaves out (their weights are never read)."""
+        if self.checkpoint_num_hidden_layers is None:
+            return ()
+        return tuple(f"{self.family.layers}.{i}" for i in range(self.num_hidden_layers, self.checkpoint_num_hidden_layers))
 
 
 def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> TargetInfo:
@@ -204,6 +224,12 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
     from transformers import AutoConfig
 
     config_path = Path(target_dir) / "config.json"
+    if not Path(target_dir).is_dir():
+        what = "is a file, not a directory" if Path(target_dir).exists() else "does not exist"
+        raise CaptureError(
+            f"recipe_args.target_model_name_or_path: {target_dir} {what}. Point it at a local Hugging Face "
+            "checkpoint directory (config.json + *.safetensors + tokenizer files)."
+        )
     if not config_path.is_file():
         raise CaptureError(
             f"recipe_args.target_model_name_or_path: {target_dir} has no config.json. Point it at a local "

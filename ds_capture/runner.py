@@ -39,11 +39,12 @@ from ds_capture.capture import capture_hidden_states, resolve_layer_ids
 from ds_capture.config import RunConfig
 from ds_capture.data import (
     chat_template_sha256,
+    open_dataset,
     pad_token_id,
-    read_conversations,
     resolve_chat_template,
     tokenize_conversations,
 )
+from ds_capture.inputs import check_checkpoint_files, check_token_ids, load_tokenizer, require_tokens
 from ds_capture.demo import resolve_special_path
 from ds_capture.dist import (
     agree_on_error,
@@ -114,6 +115,10 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     args = cfg.recipe_args
     env = discover_env()
     target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
+    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
+    if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
+        _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
+                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
     layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
                                   source=cfg.source)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
@@ -160,9 +165,18 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             # the rows of its own DP range. Any failure here ends every rank with the first message.
             error, prepared = None, None
             try:
-                prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
+                prepared = _prepare(cfg, target, layer_ids, plan)
             except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
                 error = caught
+            agree_on_error(error)
+            require_tokens(all_reduce_max_int(prepared.max_tokens), cfg.recipe_args.train_data_path)
+            # Only once every rank's rows tokenised does rank 0 touch the output directory.
+            error = None
+            if plan.is_manifest_writer:
+                try:
+                    _prepare_output_dir(cfg, target, prepared, out_dir, lock, restart=restart)
+                except Exception as caught:  # noqa: BLE001
+                    error = caught
             agree_on_error(error)
             return _capture(cfg, target, layer_ids, plan, prepared, model, started=started,
                             show_progress=show_progress)
@@ -263,16 +277,15 @@ def _host_staging(manifest: Manifest, micro_batch_size: int, buffer_mib: int, de
     return HostStaging(max_in_flight=max(1, (buffer_mib << 20) // per_batch), buffer_bytes=per_batch, device=device)
 
 
-def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,
-             lock: OutputLock | None, *, restart: bool) -> "_Prepared":
-    """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
-    from transformers import AutoTokenizer
-
+def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan) -> "_Prepared":
+    """Data and manifest: every row validated (streaming, on every rank) and this rank's range tokenised,
+    before anything is written or any weight loads."""
     args = cfg.recipe_args
-    tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
+    check_checkpoint_files(target)
+    tokenizer = load_tokenizer(target, trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
     data_path = Path(resolve_special_path(args.train_data_path))
-    conversations = read_conversations(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
+    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
     manifest = Manifest(
         target_model=args.target_model_name_or_path,
         target_model_type=target.model_type,
@@ -281,7 +294,7 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         num_hidden_layers=target.num_hidden_layers,
         seq_length=args.seq_length,
         dtype=args.cache_dtype,
-        num_samples=len(conversations),
+        num_samples=len(dataset),
         shard_size=args.cache_shard_size,
         target_hidden_dim=target.hidden_size * len(layer_ids),
         target_last_hidden_dim=target.hidden_size,
@@ -294,25 +307,41 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         chat_template_sha256=chat_template_sha256(template),
         bookkeeping={"producer": {"name": "ds_capture", "version": __version__, "engine": cfg.engine,
                                   "world_size": plan.world_size, "dp_size": plan.dp_size, "tp_size": plan.tp_size,
-                                  "ep_size": plan.ep_size}},
+                                  "ep_size": plan.ep_size}, **_reduced_depth(target)},
     )
     samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
+    conversations = dataset.conversations(samples.start, samples.stop)
     rows = tokenize_conversations(
-        conversations[samples.start:samples.stop], tokenizer, chat_template=template, seq_length=args.seq_length,
+        conversations, tokenizer, chat_template=template, seq_length=args.seq_length,
         mask_reasoning_content=args.mask_reasoning_content, mask_generation_prompt=args.mask_generation_prompt,
     )
+    check_token_ids(rows.input_ids, rows.num_tokens, [c.where for c in conversations], target.vocab_size, target.path)
+    del conversations
     rows_by_shard = {}
     for index in plan.shard_range(manifest.num_shards):
         lo = index * manifest.shard_size - samples.start
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
-    prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
-    if plan.is_manifest_writer:
-        try:
-            _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
-        except OSError as error:
-            raise output_error(out_dir, error) from error
-    return prepared
+    return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
+                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0)
+
+
+def _prepare_output_dir(cfg: RunConfig, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
+                        lock: OutputLock, *, restart: bool) -> None:
+    try:
+        _prepare_output(prepared, target, out_dir, prepared.data_path, lock, cache_dtype=cfg.recipe_args.cache_dtype,
+                        restart=restart)
+    except OSError as error:
+        raise output_error(out_dir, error) from error
+
+
+def _reduced_depth(target: TargetInfo) -> dict:
+    """Bookkeeping of a reduced-depth diagnostic (``num_hidden_layers`` itself records N, as NeMo's does)."""
+    if target.checkpoint_num_hidden_layers is None:
+        return {}
+    return {"reduced_depth": {"target_num_hidden_layers": target.num_hidden_layers,
+                              "checkpoint_num_hidden_layers": target.checkpoint_num_hidden_layers,
+                              "note": "diagnostic only: the target ran its first layers alone; not a usable cache"}}
 
 
 def output_error(out_dir: Path, error: OSError) -> CaptureError:
@@ -333,6 +362,8 @@ class _Prepared:
     manifest: Manifest
     rows_by_shard: dict
     pad_id: int
+    data_path: Path | None = None
+    max_tokens: int = 0
     done: set = field(default_factory=set)
     already_complete: bool = False
 

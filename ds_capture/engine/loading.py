@@ -74,6 +74,8 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(target.path)
+    if target.checkpoint_num_hidden_layers is not None:
+        _reduce_depth(target.family.text_config(config), target.num_hidden_layers)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     model_class = target.family.model_class(config)
@@ -81,6 +83,15 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
         model = model_class._from_config(config, dtype=dtype)
     target.family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
+
+
+def _reduce_depth(text_config, num_layers: int) -> None:
+    """``target_num_hidden_layers``: the config describes only the first ``num_layers`` decoder layers."""
+    depth = text_config.num_hidden_layers
+    text_config.num_hidden_layers = num_layers
+    for name, value in vars(text_config).items():  # per-layer lists (layer_types, ...) keep their first entries
+        if isinstance(value, list) and len(value) == depth and name.endswith("layer_types"):
+            setattr(text_config, name, value[:num_layers])
 
 
 @dataclass
@@ -289,7 +300,8 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     headers = quant.read_headers(files.values())
     index, _parts = quant.logical_keys(files, headers)
     family = target.family
-    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.layers)
+    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules + target.skipped_layer_modules,
+                                   family.layers)
     used = {key for keys in key_map.sources.values() for key in keys}
     key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources

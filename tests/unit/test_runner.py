@@ -386,14 +386,15 @@ GOOD_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
      "{data} line 2: message 1 has unknown role 'robot'. Valid roles: system, user, assistant, tool."),
     ([json.dumps({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
                                {"role": "user", "content": "c"}]})],
-     "{data} line 1: message 2 is a second system message. A conversation may have one system message, as its "
-     "first message; merge the system messages into one."),
-    ([json.dumps(GOOD_ROW), json.dumps(GOOD_ROW), json.dumps({"messages": [{"role": "user", "content": 5}]})],
-     "{data} line 3: message 1 (user) has content of type int; content must be a string or a list of "
-     "{{\"type\": \"text\", \"text\": ...}} parts. Convert it to text."),
+     "{data} line 1: message 2 is a second system message. NeMo AutoModel supports one system message per "
+     "conversation; merge the system messages into one."),
+    ([json.dumps(GOOD_ROW), json.dumps(GOOD_ROW), json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]})],
+     "{data} line 3: message 2 (assistant): `tool_calls[0].function.arguments` is required (use \"{{}}\" for a "
+     "call without arguments)."),
     ([],
      "{data}: the dataset has no rows. Add rows to the dataset or widen the split."),
-], ids=["malformed_json", "no_messages", "unknown_role", "two_system", "non_string_content", "empty"])
+], ids=["malformed_json", "no_messages", "unknown_role", "two_system", "tool_call_without_arguments", "empty"])
 def test_bad_rows_exit_2_and_write_nothing(tiny_target, write_recipe, tmp_path, capsys, lines, expected):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(line + "\n" for line in lines))
