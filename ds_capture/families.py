@@ -50,6 +50,8 @@ class Family:
     """Checkpoint key of the embedding matrix."""
     lm_head_weight_key: str = "lm_head.weight"
     """Checkpoint key of the lm_head matrix (absent when tied: the embedding is used)."""
+    attention: str = "self_attn"
+    """Attribute of a decoder layer holding its attention block (ds-capture plan counts its parameters)."""
     moe_block: str | None = None
     """Attribute of a decoder layer holding the sparse MoE block (``None``: dense family)."""
     experts: str = "experts"
@@ -60,6 +62,8 @@ class Family:
     """Text-config attribute giving the number of routed experts."""
     reduce_layer_output: Callable[[torch.Tensor], torch.Tensor] = _identity
     """Maps a decoder layer's output to its [B, S, H] feature."""
+    residual_streams_key: str | None = None
+    """Text-config attribute giving the residual-stream copies per token (hyper-connections); None: one."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -126,6 +130,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
+            residual_streams_key="hc_mult",
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
                                                 instead=_USE_EP),
@@ -199,8 +204,10 @@ class TargetInfo:
     tie_word_embeddings: bool
 
 
-def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> TargetInfo:
-    """Read ``target_dir/config.json`` (through ``AutoConfig``: attribute maps included) and resolve the family."""
+def read_target_info(target_dir: Path, *, trust_remote_code: bool = False, refuse_quantized: bool = True) -> TargetInfo:
+    """Read ``target_dir/config.json`` (through ``AutoConfig``: attribute maps included) and resolve the family.
+
+    ``refuse_quantized=False`` is for sizing only (``ds-capture plan`` reads a quantized release's sizes)."""
     from transformers import AutoConfig
 
     config_path = Path(target_dir) / "config.json"
@@ -215,7 +222,8 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
     model_type = raw.get("model_type", "")
     family = get_family(model_type, source=str(config_path))
-    _refuse_quantized(raw, config_path)
+    if refuse_quantized:
+        _refuse_quantized(raw, config_path)
     try:
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, TypeError) as error:
