@@ -110,6 +110,10 @@ class BlockShapes:
     """Attention heads on this rank (for the eager implementation's score matrix)."""
     mlp_outputs: int
     """Largest sum of the output features of a dense / shared MLP's projections on this rank."""
+    head_dim: int
+    """Per-head width of the attention's keys (for the eager implementation's repeated keys / values)."""
+    kv_heads: int
+    """Key/value heads on this rank (fewer than ``attention_heads``: eager repeats them)."""
     experts_per_token: int
     expert_intermediate: int
     """I of one routed expert (its down_proj input); 0 for a dense target."""
@@ -124,14 +128,17 @@ class Term:
 
 
 def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
-                             ep_size: int, tp_size: int, fp32_row_parallel: bool,
-                             attn_implementation: str | None) -> tuple[list[Term], Term]:
+                             ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
+                             keys_per_query: float = 1.0, indexer_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
     transients are not additive: one block runs at a time, so the peak is the stack terms + the largest block.
+    ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
+    the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
+    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient kernel (no
-    [S, S] scores) unless ``eager``; balanced routing (each EP rank receives T*K pairs; a hot rank receives more).
+    [S, S] scores); balanced routing (each EP rank receives T*K pairs; a hot rank receives more).
     """
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     T = B * S
@@ -145,9 +152,16 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     if fp32_row_parallel and tp_size > 1:
         attention += T * H * 4
         note += " + the fp32 row-parallel o_proj output"
+    scores = 0
     if attn_implementation == "eager":
-        attention += B * shapes.attention_heads * S * S * (c + 4)
-        note += " + eager [B, heads, S, S] scores and fp32 softmax"
+        keys = int(S * keys_per_query)
+        scores = eager_scores_bytes(B, shapes.attention_heads, S, keys, c)
+        if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
+            scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
+        note += f" + eager attention's [B, {shapes.attention_heads}, S, {keys}] scores (3 live copies)"
+    if indexer_bytes:
+        note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
+    attention += max(scores, indexer_bytes)
     blocks = [Term("attention block", attention, note),
               Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
                    "2 x every MLP projection's output on this rank")]
@@ -166,6 +180,34 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c,
                            note + " + the shared experts"))
     return stack, max(blocks, key=lambda term: term.bytes)
+
+
+def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_bytes: int) -> int:
+    """Eager attention's score-sized tensors alive at once: scores, masked logits, softmax (fp32 or its cast)."""
+    return batch * heads * queries * keys * (2 * compute_bytes + 4)
+
+
+def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
+    """GLM-5's DSA indexer: fp32 ``[B, S, index_heads, S]`` scores, scaled then relu'd (two alive at once)."""
+    return 2 * batch * seq_length * text_config.index_n_heads * seq_length * 4
+
+
+def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
+    """DeepSeek-V4's CSA indexer: fp32 ``[B, S, index_heads, S / rate]`` scores (matmul, relu, scaled: three)."""
+    rate = compressed_rate(text_config, "compressed_sparse_attention")
+    return 3 * batch * seq_length * text_config.index_n_heads * (seq_length // rate) * 4 if rate else 0
+
+
+def compressed_keys_per_query(text_config) -> float:
+    """DeepSeek-V4: every query attends to its S keys plus the compressed entries (S / rate) appended to them."""
+    rates = [compressed_rate(text_config, kind) for kind in set(text_config.layer_types or ())]
+    return 1 + max((1 / rate for rate in rates if rate), default=0.0)
+
+
+def compressed_rate(text_config, layer_type: str) -> int:
+    if layer_type not in (text_config.layer_types or ()):
+        return 0
+    return int((text_config.compress_rates or {}).get(layer_type, 0))
 
 
 def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_held: int, num_layer_ids: int,

@@ -112,6 +112,13 @@ class _Table:
     tensors: list[TensorEntry]
     shapes: mm.BlockShapes
     total_params: int
+    text_config: Any
+    attn_implementation: str
+    """The attention implementation the model resolved (DeepSeek-V4 has only eager)."""
+
+
+_TABLES: dict[tuple, _Table] = {}
+"""Tensor tables by (config.json and its mtime, dtype, grain, attention, engine, tp, ep): immutable, kept."""
 
 
 class Sizer:
@@ -121,14 +128,24 @@ class Sizer:
                  tp_grain_size: int) -> None:
         self.cfg, self.target, self.layer_ids = cfg, target, layer_ids
         self.compute_dtype, self.tp_grain_size = compute_dtype, tp_grain_size
-        self._tables: dict[tuple[str, int, int], _Table] = {}
+        self.num_built = 0
 
     # -- the tensor table ----------------------------------------------------------------------------------------
+    def _key(self, engine: str, tp_size: int, ep_size: int) -> tuple:
+        config = self.target.path / "config.json"
+        return (str(config), config.stat().st_mtime_ns, self.compute_dtype, self.tp_grain_size,
+                self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size)
+
+    def has_table(self, engine: str, tp_size: int, ep_size: int) -> bool:
+        return self._key(engine, tp_size, ep_size) in _TABLES
+
     def table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
-        key = (engine, tp_size, ep_size)
-        if key not in self._tables:
-            self._tables[key] = self._build_table(engine, tp_size, ep_size)
-        return self._tables[key]
+        """The tensor table of one layout; built once per process (a meta model takes about a second)."""
+        key = self._key(engine, tp_size, ep_size)
+        if key not in _TABLES:
+            _TABLES[key] = self._build_table(engine, tp_size, ep_size)
+            self.num_built += 1
+        return _TABLES[key]
 
     def _build_table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
         from ds_capture.engine.expert_parallel import moe_experts_modules
@@ -156,7 +173,9 @@ class Sizer:
         total = sum(math.prod(sum(part.sizes) if part and d == part.dim else s for d, s in enumerate(p.shape))
                     * (ep_size if name.startswith(expert_prefixes) else 1)
                     for name, p in model.named_parameters() for part in [partitions.get(name)])
-        return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total)
+        return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total,
+                      text_config=family.text_config(model.config),
+                      attn_implementation=str(model.config._attn_implementation))
 
     def _kind(self, name: str, expert_prefixes: tuple[str, ...]) -> str:
         family = self.target.family
@@ -193,6 +212,8 @@ class Sizer:
             hidden_size=self.target.hidden_size, residual_streams=streams,
             attention_outputs=max(outputs["attention"].values(), default=0),
             attention_heads=self.target.num_attention_heads // tp_size,
+            head_dim=int(getattr(text, "head_dim", None) or self.target.hidden_size // self.target.num_attention_heads),
+            kv_heads=max(1, (self.target.num_key_value_heads or self.target.num_attention_heads) // tp_size),
             mlp_outputs=max(outputs["dense/shared MLP"].values(), default=0),
             experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if family.is_moe else 0,
             expert_intermediate=intermediate, vocab_size=self.target.vocab_size)
@@ -204,10 +225,13 @@ class Sizer:
                            layout.tp_size, layout.ep_size)
         c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
+        family, text = self.target.family, table.text_config
         stack, largest = mm.forward_activation_terms(
             table.shapes, micro_batch_size=B, seq_length=S, compute_bytes=c, ep_size=layout.ep_size,
             tp_size=layout.tp_size, fp32_row_parallel=self.compute_dtype != "fp32",
-            attn_implementation=args.target_attn_implementation)
+            attn_implementation=table.attn_implementation,
+            keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
+            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
@@ -247,15 +271,10 @@ class Sizer:
 
     @staticmethod
     def _fsdp2_params(table: _Table, storage: mm.ExpertStorage, world_size: int, rank: int) -> dict[str, float]:
-        from ds_capture.engine.meta_layout import fsdp2_local_rows
-
         kinds = dict.fromkeys(KINDS, 0.0)
         for entry in table.tensors:
-            numel = entry.numel()
-            if entry.fsdp_sharded:
-                numel = numel // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
-            kinds[entry.kind] += mm.stored_bytes(numel, entry.itemsize, is_routed_expert=entry.is_expert,
-                                                 storage=storage)
+            kinds[entry.kind] += mm.stored_bytes(fsdp2_local_numel(entry, world_size, rank), entry.itemsize,
+                                                 is_routed_expert=entry.is_expert, storage=storage)
         return kinds
 
     @staticmethod
@@ -276,11 +295,16 @@ class Sizer:
         """Layouts that fit: first a smaller micro-batch here, then larger ep (and other tp) on 1x, 2x, 4x, 8x the
         world. At most ``max_builds`` new meta models are built (each takes about a second)."""
         found: list[dict[str, Any]] = []
+        experts_now = max(r.param_bytes_by_kind["routed experts"] for r in self.ranks(layout, storage)[0])
         for candidate in self._candidates(layout):
             if len(found) >= limit:
                 break
-            key = (candidate.engine, candidate.tp_size, candidate.ep_size)
-            if key not in self._tables and len(self._tables) >= max_builds:
+            # TP never shards the routed experts: a candidate whose experts alone exceed the budget is skipped
+            # without building its model.
+            if experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES > budget:
+                continue
+            if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size)
+                    and self.num_built >= max_builds):
                 continue
             try:
                 validate(candidate)
@@ -311,9 +335,17 @@ class Sizer:
                 eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
             tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size and world % t == 0]
                                       if family.supports_tp else [])
-            for tp in tps:
-                out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps)
+            out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps for tp in tps)
         return [c for c in out if c != layout]
+
+
+def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
+    """Elements of ``entry`` on ``rank`` under FSDP2: its dim-0 chunk if it is a sharded parameter, else all."""
+    from ds_capture.engine.meta_layout import fsdp2_local_rows
+
+    if not entry.fsdp_sharded:
+        return entry.numel()
+    return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
 
 
 def _divisors(n: int) -> list[int]:

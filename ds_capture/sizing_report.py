@@ -96,3 +96,62 @@ def _gib(value: float) -> str:
 
 def _mib(value: float) -> str:
     return f"{value / (1 << 20):,.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recipe headers: the "# ds-capture plan says:" block of each real-target recipe in configs/ is plan's output.
+
+BLOCK_START = "# ds-capture plan says: (tests/unit/test_plan_recipes.py checks this block; python tools/plan_headers.py rewrites it)"
+BLOCK_END = "# (end of ds-capture plan's block)"
+COMMAND_PREFIX = "#   $ "
+
+
+def header_lines(report: Any) -> list[str]:
+    """The figures of one plan run, as recipe-header comment lines (after its ``$ ds-capture plan ...`` line)."""
+    worst, t = report.worst, report.target
+    kinds = ", ".join(f"{_SHORT[k]} {worst.param_bytes_by_kind[k] / mm.GIB:.1f}" for k in KINDS)
+    name, value = report.largest_consumer()
+    lines = [
+        f"#     {t.model_type} {report.total_params / 1e9:.1f}B, {report.layout.describe()} x {report.seq_length}, "
+        f"compute {report.compute_dtype}, experts as {report.expert_storage.format}",
+        f"#     per rank (GiB): params {worst.param_bytes / mm.GIB:.1f} ({kinds})",
+        f"#       + activations ~{worst.activation_bytes / mm.GIB:.1f} (estimate; largest: {report.activation_largest.name})"
+        f" + capture {worst.capture_bytes / mm.GIB:.1f} + reserve {worst.reserve_bytes / mm.GIB:.1f}"
+        + (f" + FSDP2 all-gathers {worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else ""),
+        f"#       = {worst.peak_bytes / mm.GIB:.1f} of {report.budget_bytes / mm.GIB:.1f}: "
+        f"{'fits' if report.fits else 'does NOT fit'}; largest consumer: {name} {value / mm.GIB:.1f}",
+        f"#     writer host memory {max(r.writer_host_bytes for r in report.ranks) / mm.GIB:.1f} GiB per writing rank; "
+        f"cache {report.cache['bytes_per_sample'] / (1 << 20):.1f} MiB per sample",
+    ]
+    for option in report.storage_alternatives:
+        lines.append(f"#     with capture.expert_storage: {option['expert_storage']} ({option['format']}): peak "
+                     f"{option['peak_bytes'] / mm.GIB:.1f} GiB: {'fits' if option['fits'] else 'does NOT fit'}")
+    for option in report.alternatives[:2]:
+        lines.append(f"#     would fit: {option['layout']} ({option['peak_bytes'] / mm.GIB:.1f} GiB)")
+    return lines
+
+
+def plan_from_command(command: str) -> Any:
+    """Run the ``ds-capture plan ...`` command line of a header (relative paths from the repository root)."""
+    import shlex
+
+    from ds_capture.cli import build_parser
+    from ds_capture.config import load_config
+    from ds_capture.sizing import plan_capture
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    return plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
+                        gpu_memory_gib=args.gpu_memory_gib)
+
+
+def regenerate_header(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """``text`` (a recipe) with its plan block rewritten from its own commands; also (command, report) pairs."""
+    lines = text.split("\n")
+    start, end = lines.index(BLOCK_START), lines.index(BLOCK_END)
+    commands = [line[len(COMMAND_PREFIX):] for line in lines[start + 1:end] if line.startswith(COMMAND_PREFIX)]
+    block, runs = [BLOCK_START], []
+    for command in commands:
+        report = plan_from_command(command)
+        runs.append((command, report))
+        block += [COMMAND_PREFIX + command, *header_lines(report)]
+    return "\n".join(lines[:start] + block + lines[end:]), runs
