@@ -299,6 +299,11 @@ class Sizer:
         for candidate in self._candidates(layout):
             if len(found) >= limit:
                 break
+            # One per world, and none that only repeats a found layout's degrees on more ranks.
+            if any((f["world_size"], f["micro_batch_size"]) == (candidate.world_size, candidate.micro_batch_size)
+                   or (f["tp_size"], f["ep_size"], f["micro_batch_size"])
+                   == (candidate.tp_size, candidate.ep_size, candidate.micro_batch_size) for f in found):
+                continue
             # TP never shards the routed experts: a candidate whose experts alone exceed the budget is skipped
             # without building its model.
             if experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES > budget:
@@ -311,9 +316,7 @@ class Sizer:
                 worst = max(self.ranks(candidate, storage)[0], key=lambda r: r.peak_bytes)
             except CaptureError:
                 continue
-            if worst.peak_bytes <= budget and not any(f["world_size"] == candidate.world_size and
-                                                      f["micro_batch_size"] == candidate.micro_batch_size
-                                                      for f in found):
+            if worst.peak_bytes <= budget:
                 found.append({"layout": candidate.describe(), "engine": candidate.engine,
                               "world_size": candidate.world_size, "tp_size": candidate.tp_size,
                               "ep_size": candidate.ep_size, "micro_batch_size": candidate.micro_batch_size,
@@ -335,7 +338,8 @@ class Sizer:
                 eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
             tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size and world % t == 0]
                                       if family.supports_tp else [])
-            out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps for tp in tps)
+            # The recipe's own tp first (with every larger ep), then the other tps.
+            out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for tp in tps for ep in eps)
         return [c for c in out if c != layout]
 
 
