@@ -295,7 +295,8 @@ class Sizer:
         """Layouts that fit: first a smaller micro-batch here, then larger ep (and other tp) on 1x, 2x, 4x, 8x the
         world. At most ``max_builds`` new meta models are built (each takes about a second)."""
         found: list[dict[str, Any]] = []
-        experts_now = max(r.param_bytes_by_kind["routed experts"] for r in self.ranks(layout, storage)[0])
+        now = max(self.ranks(layout, storage)[0], key=lambda r: r.peak_bytes)
+        experts_now = now.param_bytes_by_kind["routed experts"]
         for candidate in self._candidates(layout):
             if len(found) >= limit:
                 break
@@ -304,9 +305,11 @@ class Sizer:
                    or (f["tp_size"], f["ep_size"], f["micro_batch_size"])
                    == (candidate.tp_size, candidate.ep_size, candidate.micro_batch_size) for f in found):
                 continue
-            # TP never shards the routed experts: a candidate whose experts alone exceed the budget is skipped
-            # without building its model.
-            if experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES > budget:
+            # TP never shards the routed experts: a candidate whose experts, reserve and capture buffers (linear in
+            # the micro-batch) already exceed the budget is skipped without building its model.
+            floor = (experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES
+                     + now.capture_bytes * candidate.micro_batch_size / layout.micro_batch_size)
+            if floor > budget:
                 continue
             if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size)
                     and self.num_built >= max_builds):
@@ -324,32 +327,22 @@ class Sizer:
         return found
 
     def _candidates(self, layout: Layout) -> list[Layout]:
+        """A smaller micro-batch here; then, keeping the recipe's tp before trying others, every larger ep on
+        1x, 2x, 4x and 8x the world (at most 512 ranks)."""
         family, target = self.target.family, self.target
         out = [Layout(layout.engine, layout.world_size, layout.tp_size, layout.ep_size, b)
                for b in _halvings(layout.micro_batch_size)]
-        for world in (layout.world_size * m for m in (1, 2, 4, 8)):
-            if world > 512:
-                break
-            if layout.engine == "fsdp2":
-                out.append(Layout("fsdp2", world, 1, 1, layout.micro_batch_size))
-                continue
-            eps = [1]
-            if family.is_moe and family.supports_ep and target.num_experts:
-                eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
-            tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size and world % t == 0]
-                                      if family.supports_tp else [])
-            # The recipe's own tp first (with every larger ep), then the other tps.
-            out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for tp in tps for ep in eps)
+        worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
+        if layout.engine == "fsdp2":
+            return out + [Layout("fsdp2", w, 1, 1, layout.micro_batch_size) for w in worlds[1:]]
+        tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size] if family.supports_tp else [])
+        for tp in tps:
+            for world in (w for w in worlds if w % tp == 0):
+                eps = [1]
+                if family.is_moe and family.supports_ep and target.num_experts:
+                    eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
+                out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps)
         return [c for c in out if c != layout]
-
-
-def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
-    """Elements of ``entry`` on ``rank`` under FSDP2: its dim-0 chunk if it is a sharded parameter, else all."""
-    from ds_capture.engine.meta_layout import fsdp2_local_rows
-
-    if not entry.fsdp_sharded:
-        return entry.numel()
-    return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
 
 
 def _divisors(n: int) -> list[int]:
