@@ -1,9 +1,10 @@
-"""Command line: ``ds-capture run | verify | inspect`` (also ``python -m ds_capture``).
+"""Command line: ``ds-capture run | plan | verify | inspect | compare`` (also ``python -m ds_capture``).
 
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it.
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256
+    ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
 """
@@ -36,6 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
     run.add_argument("--restart", action="store_true", help="recompute every shard even where valid ones exist")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
+    plan.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                      help="override a YAML value (repeatable)")
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="ranks of the job (default: the smallest world the degrees allow)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="GPU memory per rank (default: capture.gpu_memory_gib, else this machine's GPU, else 80 GB)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
 
     verify = sub.add_parser("verify", help="check a cache against the format contract")
     verify.add_argument("cache_dir", type=Path)
@@ -106,6 +117,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ds_capture.config import load_config
+    from ds_capture.sizing import plan_capture
+
+    report = plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
+                          gpu_memory_gib=args.gpu_memory_gib)
+    print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.format())
+    return 0
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ds_capture.cache.reader import verify_cache
 
@@ -137,4 +158,4 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-_COMMANDS = {"run": _cmd_run, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}
+_COMMANDS = {"run": _cmd_run, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}

@@ -160,6 +160,10 @@ class CaptureOptions:
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
     metrics_interval_steps: int = 8
     """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
+    gpu_memory_gib: float | None = None
+    """GPU memory per rank (GiB) that ``run`` checks the layout against before any weight loads, with
+    ``ds-capture plan``'s computation; default: the local CUDA device's total memory (no check on a machine
+    without CUDA); 0 disables the check."""
     compute_dtype: str = "auto"
     """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
     the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
@@ -179,6 +183,8 @@ class CaptureOptions:
             raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
         if self.nan_policy not in ("fail", "record"):
             raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib < 0:
+            raise ValueError(f"must be >= 0 (0: no check), got {self.gpu_memory_gib}", "gpu_memory_gib")
         if self.metrics_interval_steps < 1:
             raise ValueError(f"must be >= 1, got {self.metrics_interval_steps}", "metrics_interval_steps")
 
@@ -337,6 +343,10 @@ def _check_type(value: Any, hint: Any, where: str, source: str) -> Any:
     # bool is a subclass of int in Python; a YAML `true` is not a size.
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise CaptureError(f"{source}: `{where}` must be an integer, got {value!r}.")
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CaptureError(f"{source}: `{where}` must be a number, got {value!r}.")
+        return float(value)
     if hint is bool and not isinstance(value, bool):
         raise CaptureError(f"{source}: `{where}` must be true or false, got {value!r}.")
     if hint is str and not isinstance(value, str):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ds_capture import memory_model
 from ds_capture.errors import CaptureError
 
 
@@ -50,6 +51,8 @@ class Family:
     """Checkpoint key of the embedding matrix."""
     lm_head_weight_key: str = "lm_head.weight"
     """Checkpoint key of the lm_head matrix (absent when tied: the embedding is used)."""
+    attention: str = "self_attn"
+    """Attribute of a decoder layer holding its attention block (ds-capture plan counts its parameters)."""
     moe_block: str | None = None
     """Attribute of a decoder layer holding the sparse MoE block (``None``: dense family)."""
     experts: str = "experts"
@@ -60,6 +63,12 @@ class Family:
     """Text-config attribute giving the number of routed experts."""
     reduce_layer_output: Callable[[torch.Tensor], torch.Tensor] = _identity
     """Maps a decoder layer's output to its [B, S, H] feature."""
+    residual_streams_key: str | None = None
+    """Text-config attribute giving the residual-stream copies per token (hyper-connections); None: one."""
+    keys_per_query: Callable[[Any], float] | None = None
+    """Attention keys per query relative to S (compressed KV appended), from the text config (ds-capture plan)."""
+    indexer_scores: Callable[[Any, int, int], int] | None = None
+    """Bytes of the scores a sparse-attention indexer materialises for a [B, S] batch (ds-capture plan)."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -126,6 +135,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
+            residual_streams_key="hc_mult", keys_per_query=memory_model.compressed_keys_per_query,
+            indexer_scores=memory_model.csa_indexer_scores,
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
                                                 instead=_USE_EP),
@@ -133,6 +144,7 @@ FAMILIES: dict[str, Family] = {
         # GLM-5.x: dense first layers (no experts there), DSA indexer attention.
         Family(
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts",
+            indexer_scores=memory_model.dsa_indexer_scores,
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
                                                 model_type="glm_moe_dsa", instead=_USE_EP),

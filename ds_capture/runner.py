@@ -59,6 +59,7 @@ from ds_capture.families import TargetInfo, read_target_info
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
 from ds_capture.progress import Progress, collective_device
 from ds_capture.safety import FailFast, OutputLock, input_fingerprints
+from ds_capture.sizing import refuse_if_not_fitting
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -127,6 +128,8 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)
+    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
+    refuse_if_not_fitting(cfg, world_size=env.world_size, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)

@@ -94,9 +94,18 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int, int]:
     assert isinstance(param, DTensor), f"expected an FSDP2 DTensor parameter, got {type(param).__name__}"
     rows = param.shape[0]
     mesh = param.device_mesh
-    per_rank = -(-rows // mesh.size())
-    start = min(mesh.get_local_rank() * per_rank, rows)
+    start, _ = dim0_chunk(rows, mesh.size(), mesh.get_local_rank())
     return start, param.to_local().shape[0], rows
+
+
+def dim0_chunk(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(first row, number of rows) of dim 0 that ``rank`` holds: ``torch.chunk``'s split, as FSDP2 cuts ``Shard(0)``.
+
+    ``ceil(rows / world_size)`` per rank; the last ranks short or empty. (ds-capture plan sizes ranks with it.)
+    """
+    per_rank = -(-rows // world_size)
+    start = min(rank * per_rank, rows)
+    return start, min(per_rank, rows - start)
 
 
 @torch.no_grad()

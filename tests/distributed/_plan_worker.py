@@ -1,0 +1,58 @@
+"""One rank of the plan-vs-engine test: the tensors the real engine holds on this rank, for ds-capture plan to match.
+
+Run under a launcher, one process per rank:
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/_plan_worker.py CASES_JSON OUT_DIR
+In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2", "tp_size": t, "ep_size": e}``.
+Out: ``OUT_DIR/rank{r}.json``: per case, every parameter and buffer of the loaded model on this rank as
+     ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
+from ds_capture.engine.deepspeed_engine import build_sharded_model
+from ds_capture.engine.fsdp2_engine import build_fsdp2_model
+from ds_capture.families import read_target_info
+from ds_capture.plan import build_plan, new_groups
+
+
+def local_tensors(model: torch.nn.Module) -> dict[str, list[int]]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        out[name] = [local.numel(), local.element_size()]
+    return out
+
+
+def main(cases_path: str, out_dir: str) -> None:
+    cases = json.loads(Path(cases_path).read_text())
+    env = discover_env()
+    results = []
+    with distributed_session(env, backend="gloo", timeout_minutes=5):
+        for case in cases:
+            target = read_target_info(Path(case["target"]))
+            plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"],
+                              ep_size=case["ep_size"], num_experts=target.num_experts,
+                              num_attention_heads=target.num_attention_heads,
+                              num_key_value_heads=target.num_key_value_heads)
+            repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
+            groups = new_groups(plan)
+            if case["engine"] == "fsdp2":
+                model = build_fsdp2_model(target, plan, groups, dtype=torch.float32, attn_implementation=None)
+            else:
+                model, _ = build_sharded_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
+                                               ds_config=None)
+            results.append({**case, "rank": env.rank, "tp_rank": plan.tp_rank, "tensors": local_tensors(model)})
+    Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,60 @@
+"""ds-capture plan counts, per rank, exactly the tensors the real engines hold on that rank.
+
+The reference is the engine itself: 2 real gloo ranks (torchrun) build and load tiny targets with the DeepSpeed
+engine (expert parallel + DeepSpeed AutoTP through ``init_inference``) and with FSDP2, and report every local
+parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0 chunk rule) must give the same
+names and the same element counts on each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_capture.config import parse_config
+from ds_capture.families import read_target_info
+from ds_capture.sizing_count import Sizer, fsdp2_local_numel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launchers import run_launcher  # noqa: E402
+
+WORKER = str(Path(__file__).resolve().parent / "_plan_worker.py")
+
+
+def _sizer(target_dir: Path) -> Sizer:
+    cfg = parse_config({"recipe_args": {"target_model_name_or_path": str(target_dir), "train_data_path": "x.jsonl",
+                                        "cache_output_dir": "out", "seq_length": 32}},
+                       source="<test>", base_dir=Path("."))
+    return Sizer(cfg, read_target_info(target_dir), [1, 2], "fp32", tp_grain_size=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
+    targets = {name: tiny_target(name, num_hidden_layers=3) for name in ("qwen3_moe", "deepseek_v3")}
+    cases = [{"target": str(targets["deepseek_v3"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 2},
+             {"target": str(targets["qwen3_moe"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 1},
+             {"target": str(targets["qwen3_moe"]), "engine": "fsdp2", "tp_size": 1, "ep_size": 1}]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = run_launcher("torchrun", 2, [WORKER, str(tmp_path / "cases.json"), str(tmp_path)], None, 230)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+    sizers = {path: _sizer(Path(path)) for path in {case["target"] for case in cases}}
+    for results in per_rank:
+        for case in results:
+            table = sizers[case["target"]].table(case["engine"], case["tp_size"], case["ep_size"])
+            if case["engine"] == "fsdp2":
+                planned = {e.name: [fsdp2_local_numel(e, 2, case["rank"]), e.itemsize] for e in table.tensors}
+            else:
+                planned = {e.name: [e.numel(case["tp_rank"]), e.itemsize] for e in table.tensors}
+            label = f"{case['engine']} tp={case['tp_size']} ep={case['ep_size']} rank={case['rank']}"
+            assert planned == case["tensors"], (label, {k: (planned.get(k), v) for k, v in case["tensors"].items()
+                                                        if planned.get(k) != v})
+            # The layout really shards: every case holds less than the whole model on this rank.
+            whole = sizers[case["target"]].table("deepspeed", 1, 1)
+            assert sum(n for n, _ in planned.values()) < sum(e.numel() for e in whole.tensors), label

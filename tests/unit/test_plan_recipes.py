@@ -1,0 +1,60 @@
+"""The real-target recipes in configs/ are checked facts: each fits the 8 x 80 GB nodes its header names, and the
+"# ds-capture plan says:" block of its header is exactly what ``ds-capture plan`` prints now.
+
+The targets are the releases' published sizes, typed into tests/fixtures/release_configs/<name>/config.json
+(no weights). A block that drifts from plan's output fails here; ``python tools/plan_headers.py`` rewrites it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+
+from ds_capture.config import load_config
+from ds_capture.sizing_report import BLOCK_START, regenerate_header
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_GIB = 79.6  # an 80 GB H100 / A100 as torch reports it
+TINY_RECIPES = {"demo.yaml", "tiny_moe_tp2_ep2.yaml"}
+# recipe -> (release config, nodes of 8 GPUs, tp_size, ep_size) for every target its header says it serves.
+SERVES = {
+    "deepseek_v4_flash.yaml": [("deepseek_v4_flash", 2, 1, 16)],
+    "glm5.yaml": [("glm5", 8, 1, 64)],
+    "qwen3_235b_a22b.yaml": [("qwen3_235b_a22b", 1, 4, 8)],
+    "deepseek_v3_kimi_k2.yaml": [("deepseek_v3", 4, 8, 32), ("kimi_k2", 8, 8, 64)],
+}
+
+
+def test_every_real_target_recipe_is_checked():
+    recipes = {path.name for path in (REPO / "configs").glob("*.yaml")} - TINY_RECIPES
+    assert recipes == set(SERVES)
+    for name in recipes:
+        assert BLOCK_START in (REPO / "configs" / name).read_text().split("\n"), name
+
+
+@pytest.mark.parametrize("recipe", sorted(SERVES))
+def test_recipe_fits_its_nodes_and_its_header_is_plans_output(recipe, monkeypatch):
+    monkeypatch.chdir(REPO)  # the header's commands use repository-relative paths
+    text = (REPO / "configs" / recipe).read_text()
+    regenerated, runs = regenerate_header(text)
+    assert regenerated == text, "the plan block is stale; run python tools/plan_headers.py:\n" + "\n".join(
+        difflib.unified_diff(text.split("\n"), regenerated.split("\n"), lineterm="", n=0))
+
+    recipe_cfg = load_config(REPO / "configs" / recipe)
+    title_nodes = int(re.match(r"# .*?: (\d+) nodes? x 8 GPUs \(80 GB\)", text).group(1))
+    assert title_nodes == SERVES[recipe][0][1]
+    for release, nodes, tp_size, ep_size in SERVES[recipe]:
+        matching = [report for command, report in runs if command.endswith(f"release_configs/{release}")
+                    or f"release_configs/{release} " in command]
+        own = [r for r in matching if (r.layout.world_size, r.layout.tp_size, r.layout.ep_size) == (nodes * 8, tp_size,
+                                                                                                  ep_size)
+               and r.layout.micro_batch_size == recipe_cfg.recipe_args.micro_batch_size]
+        assert own, (recipe, release, [c for c, _ in runs])
+        for report in own:
+            assert report.budget_bytes == GPU_GIB * 2**30
+            assert report.fits, report.reason()
+    # Each header also shows a layout that does not fit, named with its largest consumer.
+    assert any(not report.fits and "largest consumer" in report.reason() for _, report in runs), recipe
