@@ -67,17 +67,45 @@ class Family:
     ep_refusal: str = ""
     refusal: str = ""
     """Non-empty: the family cannot be captured at all (the reason, shown to the user)."""
+    attn_implementations: tuple[str, ...] = ()
+    """The only attention implementations the family computes (the first is the default); empty: any."""
+    attn_reason: str = ""
+    """Why only ``attn_implementations`` (shown when another one is configured)."""
+    build_from_text_config: bool = False
+    """Build ``auto_class``'s model for the text config alone (the release's wrapper cannot run text only)."""
+    checkpoint_prefix: str = ""
+    """Checkpoint keys under this prefix are the built model's (prefix stripped); all other keys (a vision tower
+    stored next to it) are skipped, never read. Empty: every key is the model's."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:
         """The text decoder's config object (``config`` itself for plain causal LMs)."""
         return getattr(config, self.text_config_attr) if self.text_config_attr else config
 
+    def build_config(self, config: Any) -> Any:
+        """The config the model class is built from: the text config where the family builds from it."""
+        return self.text_config(config) if self.build_from_text_config else config
+
     def model_class(self, config: Any) -> type:
-        """The model class ``auto_class`` maps ``config`` to (importing its modeling module)."""
+        """The model class ``auto_class`` maps ``config`` (:meth:`build_config`'s) to (importing its module)."""
         import transformers
 
         return getattr(transformers, self.auto_class)._model_mapping[type(config)]
+
+    def resolve_attn_implementation(self, configured: str | None, *, source: str = "the recipe") -> str | None:
+        """The attention implementation to build with: ``configured`` if the family computes it, its default
+        when none is configured; a ``CaptureError`` naming the allowed ones otherwise."""
+        if not self.attn_implementations:
+            return configured
+        if configured is None:
+            return self.attn_implementations[0]
+        if configured not in self.attn_implementations:
+            raise CaptureError(
+                f"{source}: `recipe_args.target_attn_implementation` {configured!r}: model_type {self.model_type!r} computes "
+                f"attention with {', '.join(map(repr, self.attn_implementations))} only ({self.attn_reason}). "
+                f"Set it to {self.attn_implementations[0]!r} or leave it unset."
+            )
+        return configured
 
     def drop_unused_modules(self, model: torch.nn.Module) -> None:
         """Remove ``drop_modules`` from ``model`` (the forward skips them when given token ids only)."""
@@ -164,6 +192,82 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="language_model.model.embed_tokens.weight",
             lm_head_weight_key="language_model.lm_head.weight",
             moe_block="mlp", num_experts_key="n_routed_experts",
+        ),
+        # GLM-4.5 / 4.6 / 4.7. Releases carry the MTP layer as `model.layers.<L>` (skipped, never read).
+        Family(model_type="glm4_moe", moe_block="mlp", num_experts_key="n_routed_experts"),
+        # Qwen3.5 MoE is released as its vision-language wrapper: the text decoder under `model.language_model`
+        # (Gated DeltaNet + gated full attention), the vision tower `model.visual` dropped, never read.
+        Family(
+            model_type="qwen3_5_moe", text_config_attr="text_config", auto_class="AutoModelForImageTextToText",
+            drop_modules=("model.visual",), layers="model.language_model.layers",
+            final_norm="model.language_model.norm", embed_tokens="model.language_model.embed_tokens",
+            embed_weight_key="model.language_model.embed_tokens.weight",
+            moe_block="mlp", num_experts_key="num_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the Gated DeltaNet projections (linear_attn.in_proj_qkv)",
+                                                model_type="qwen3_5_moe", instead=_USE_EP),
+        ),
+        # Qwen3-Next: Gated DeltaNet linear attention on 3 of 4 layers.
+        Family(
+            model_type="qwen3_next", moe_block="mlp", num_experts_key="num_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the Gated DeltaNet projections (linear_attn.in_proj_qkvz)",
+                                                model_type="qwen3_next", instead=_USE_EP),
+        ),
+        # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer.
+        Family(
+            model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer)",
+                                                model_type="deepseek_v32", instead=_USE_EP),
+        ),
+        # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
+        Family(
+            model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the all-head q/k norms (self_attn.q_norm, k_norm)",
+                                                model_type="minimax_m2", instead=_USE_EP),
+        ),
+        # Kimi-Linear: KDA linear attention (short convolutions over the projected channels) and MLA.
+        Family(
+            model_type="kimi_linear", moe_block="mlp", num_experts_key="num_local_experts",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA short convolutions (self_attn.q_conv1d ...)",
+                                                model_type="kimi_linear", instead=_USE_EP),
+        ),
+        # gpt-oss: the router is `mlp.router`; attention sinks are computed by the eager attention only here.
+        Family(
+            model_type="gpt_oss", moe_block="mlp", router="router", num_experts_key="num_local_experts",
+            attn_implementations=("eager",),
+            attn_reason="its attention sinks are in transformers' eager attention; sdpa does not support them",
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the per-head attention sinks (self_attn.sinks)",
+                                                model_type="gpt_oss", instead=_USE_EP),
+        ),
+        # GLM-5.3 (glm5_next): no causal-LM mapping, so it loads through the vision-language class (vision tower
+        # dropped, never read); KDA + DSA-indexed MLA, hyper-connection layers ([B, S, hc, H]: mean over hc).
+        Family(
+            model_type="glm5_next", text_config_attr="text_config", auto_class="AutoModelForImageTextToText",
+            drop_modules=("model.visual",), layers="model.language_model.layers",
+            final_norm="model.language_model.norm", embed_tokens="model.language_model.embed_tokens",
+            embed_weight_key="model.language_model.embed_tokens.weight",
+            moe_block="mlp", num_experts_key="n_routed_experts", reduce_layer_output=_mean_over_hyper_connections,
+            supports_tp=False,
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer and the KDA short convolutions",
+                                                model_type="glm5_next", instead=_USE_EP),
+        ),
+        # Llama 4 is released as its vision-language wrapper, whose forward needs image outputs: the text model
+        # (Llama4ForCausalLM) is built from text_config and read from the `language_model.` keys; the vision
+        # tower and projector keys are skipped, never read.
+        Family(
+            model_type="llama4", text_config_attr="text_config", build_from_text_config=True,
+            checkpoint_prefix="language_model.", embed_weight_key="language_model.model.embed_tokens.weight",
+            lm_head_weight_key="language_model.lm_head.weight",
+            moe_block="feed_forward", router="router", num_experts_key="num_local_experts",
+            supports_ep=False,
+            ep_refusal="Llama 4's experts (feed_forward.experts) take every token pre-weighted by its router "
+            "score through all experts densely (no (hidden, top_k_index, top_k_weights) call), which the "
+            "expert-parallel layer cannot split exactly. Keep ep_size 1 (use tp_size or data parallelism).",
         ),
         Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
     )

@@ -66,13 +66,15 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(target.path)
+    family = target.family
+    config = family.build_config(transformers.AutoConfig.from_pretrained(target.path))
+    attn_implementation = family.resolve_attn_implementation(attn_implementation)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_class = target.family.model_class(config)
+    model_class = family.model_class(config)
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
-    target.family.drop_unused_modules(model)
+    family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
 
 
@@ -191,8 +193,9 @@ class KeyMap:
     unexpected: list[str]
 
 
-def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = ()) -> KeyMap:
-    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out."""
+def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (), prefix: str = "") -> KeyMap:
+    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out, and so
+    are keys outside ``prefix`` when one is given (the others are mapped with it stripped)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
 
@@ -205,7 +208,9 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
     pattern_of: dict[str, str] = {}
     unexpected = []
     for key in sorted(keys, key=dot_natural_key):
-        renamed = apply_renamings(key, renamings)
+        if not key.startswith(prefix):
+            continue  # e.g. Llama 4's vision tower next to its `language_model.` text model
+        renamed = apply_renamings(key[len(prefix):], renamings)
         matched = None
         for converter in converters:
             converted, pattern = converter.rename_source_key(renamed)
@@ -248,7 +253,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     """
     index = _checkpoint_index(target.path)
     family = target.family
-    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules)
+    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.checkpoint_prefix)
     sources = key_map.sources
     state = model.state_dict(keep_vars=True)
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"

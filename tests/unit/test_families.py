@@ -27,8 +27,19 @@ from ds_capture.families import FAMILIES, get_family, read_target_info
 from ds_capture.plan import build_plan
 from ds_capture.runner import _check_family_layout, run_capture
 
-SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25")
-REFERENCE_CLASS = {"kimi_k25": AutoModelForImageTextToText}  # the reference loads what transformers loads
+SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
+                   "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss",
+                   "glm5_next", "llama4")
+# The reference loads what transformers loads: the vision-language class where there is no causal-LM mapping
+# (or the release is that wrapper); Llama 4's wrapper cannot run text only, so its inner causal LM is called.
+IMAGE_TEXT = {"kimi_k25", "qwen3_5_moe", "glm5_next", "llama4"}
+
+
+def reference_model(target: Path, model_type: str) -> torch.nn.Module:
+    """The target as ``from_pretrained`` loads it (fp32, eval), callable with ``input_ids`` only."""
+    reference_class = AutoModelForImageTextToText if model_type in IMAGE_TEXT else AutoModelForCausalLM
+    model = reference_class.from_pretrained(str(target), dtype=torch.float32).eval()
+    return model.language_model if model_type == "llama4" else model
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
 
@@ -140,8 +151,7 @@ def test_single_process_cache_equals_hf_hidden_states(family_target, tmp_path, m
 
     shard = load_file(cache / "shard-000000.safetensors")
     hidden_size = text["hidden_size"]
-    reference_class = REFERENCE_CLASS.get(model_type, AutoModelForCausalLM)
-    model = reference_class.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = reference_model(target, model_type)
     pad_id = config["pad_token_id"] if "pad_token_id" in config else text["pad_token_id"]
     for row, input_ids in enumerate(shard["input_ids"]):
         length = int((input_ids != pad_id).nonzero().max()) + 1  # content = all but the trailing pad run
