@@ -129,6 +129,10 @@ _AUTOTP_MISSHARDS = (
     "DeepSpeed AutoTP mis-shards {what} of model_type {model_type!r} (the sharded forward dies with shape "
     "errors), so this family has no tensor-parallel layout. Keep tp_size 1 and {instead}."
 )
+_AUTOTP_EMPTY_SHARD = (
+    "DeepSpeed AutoTP column-splits {what} of model_type {model_type!r}, a linear layer with a single output, "
+    "which leaves a rank an empty shard, so this family has no tensor-parallel layout. Keep tp_size 1 and {instead}."
+)
 _USE_EP = "shard the routed experts with ep_size instead (data parallel x expert parallel)"
 _USE_DP_OR_FSDP2 = "scale with data parallelism, or shard every parameter over the ranks with engine: fsdp2"
 _DENSE_ONLY = (
@@ -204,35 +208,35 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="model.language_model.embed_tokens.weight",
             moe_block="mlp", num_experts_key="num_experts",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the Gated DeltaNet projections (linear_attn.in_proj_qkv)",
-                                                model_type="qwen3_5_moe", instead=_USE_EP),
+            tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
+                                                   model_type="qwen3_5_moe", instead=_USE_EP),
         ),
         # Qwen3-Next: Gated DeltaNet linear attention on 3 of 4 layers.
         Family(
             model_type="qwen3_next", moe_block="mlp", num_experts_key="num_experts",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the Gated DeltaNet projections (linear_attn.in_proj_qkvz)",
-                                                model_type="qwen3_next", instead=_USE_EP),
+            tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
+                                                   model_type="qwen3_next", instead=_USE_EP),
         ),
         # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer.
         Family(
             model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer)",
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
                                                 model_type="deepseek_v32", instead=_USE_EP),
         ),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the all-head q/k norms (self_attn.q_norm, k_norm)",
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the all-head q/k norms (self_attn.q_norm, self_attn.k_norm)",
                                                 model_type="minimax_m2", instead=_USE_EP),
         ),
         # Kimi-Linear: KDA linear attention (short convolutions over the projected channels) and MLA.
         Family(
             model_type="kimi_linear", moe_block="mlp", num_experts_key="num_local_experts",
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA short convolutions (self_attn.q_conv1d ...)",
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
                                                 model_type="kimi_linear", instead=_USE_EP),
         ),
         # gpt-oss: the router is `mlp.router`; attention sinks are computed by the eager attention only here.
@@ -253,7 +257,7 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="model.language_model.embed_tokens.weight",
             moe_block="mlp", num_experts_key="n_routed_experts", reduce_layer_output=_mean_over_hyper_connections,
             supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer and the KDA short convolutions",
+            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
                                                 model_type="glm5_next", instead=_USE_EP),
         ),
         # Llama 4 is released as its vision-language wrapper, whose forward needs image outputs: the text model
@@ -264,10 +268,14 @@ FAMILIES: dict[str, Family] = {
             checkpoint_prefix="language_model.", embed_weight_key="language_model.model.embed_tokens.weight",
             lm_head_weight_key="language_model.lm_head.weight",
             moe_block="feed_forward", router="router", num_experts_key="num_local_experts",
+            supports_tp=False,
+            tp_refusal="DeepSpeed AutoTP replaces the router (feed_forward.router, a linear layer returning "
+            "(scores, logits)) of model_type 'llama4' with a plain linear layer, so the sharded forward dies "
+            f"unpacking it and this family has no tensor-parallel layout. Keep tp_size 1 and {_USE_DP_OR_FSDP2}.",
             supports_ep=False,
             ep_refusal="Llama 4's experts (feed_forward.experts) take every token pre-weighted by its router "
             "score through all experts densely (no (hidden, top_k_index, top_k_weights) call), which the "
-            "expert-parallel layer cannot split exactly. Keep ep_size 1 (use tp_size or data parallelism).",
+            "expert-parallel layer cannot split exactly. Keep ep_size 1 (use data parallelism, or engine: fsdp2).",
         ),
         Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
     )
