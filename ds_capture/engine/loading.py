@@ -321,6 +321,9 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
     # fused tensor), so a layer's experts are never held twice (pieces + stacked copy).
     slot_of: dict[str, int] = {}
     num_patterns: dict[str, int] = {}
+    # A sliced tensor that a converter concatenates from several keys (KDA's q/k/v short convolutions into one
+    # conv1d) is read whole, converted, then cut: its pieces do not line up with the slice.
+    cut_after_convert: dict[str, OwnedSlice] = {}
     for name, keys in sources.items():
         cut = owned.get(name)
         if cut is not None and cut.length == 0:
@@ -329,7 +332,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
             converter = converter_of[name]
             stacked = isinstance(converter.operations[0], MergeModulelist)
             if cut is not None and not (cut.experts and stacked):
-                raise CaptureError(f"{name}: a sliced tensor built by {converter!r} is not supported.")
+                cut_after_convert[name], cut = cut, None
             keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
             pieces[name], num_pieces[name], cut = {}, len(keys), None
             if stacked:
@@ -367,6 +370,9 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 if len(pieces[name]) < num_pieces[name]:
                     continue
                 tensor = _convert_pieces(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+                if name in cut_after_convert:
+                    after = cut_after_convert[name]
+                    tensor = tensor.narrow(after.dim, after.start, after.length).clone()
             _copy_checked(destinations[name], tensor, name, key)
         stats.num_files += 1
     _release_freed_memory()
