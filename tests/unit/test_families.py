@@ -219,9 +219,9 @@ def test_multimodal_only_targets_are_refused():
 
 def test_unknown_family_lists_the_supported_ones():
     with pytest.raises(CaptureError) as caught:
-        get_family("gpt_oss")
+        get_family("bloom")
     supported = sorted(name for name, family in FAMILIES.items() if not family.refusal)
-    assert str(caught.value) == (f"config.json: model_type 'gpt_oss' is not a supported target family. "
+    assert str(caught.value) == (f"config.json: model_type 'bloom' is not a supported target family. "
                                  f"Supported: {', '.join(supported)}.")
     assert {"deepseek_v4", "glm_moe_dsa", "gemma4", "mixtral", "qwen3", "deepseek_v3"} <= set(supported)
 
@@ -286,3 +286,90 @@ def test_quantized_checkpoints_are_refused_before_loading(family_target, tmp_pat
         "not dequantize. Convert the checkpoint to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py for FP8 releases), "
         "drop quantization_config from config.json, and point recipe_args.target_model_name_or_path at the "
         "converted directory.")
+
+
+# ------------------------------------------------------------------------------------ today's drafter targets
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "glm5_next", "llama4"])
+def test_release_wrapper_loads_its_text_decoder_only(family_target, model_type):
+    """Released as vision-language wrappers: the sliced loader fills exactly what from_pretrained loads for the
+    text decoder, and reads none of the vision tower's bytes (Llama 4: its text model built from text_config,
+    the `language_model.` keys stripped, the vision tower and projector keys skipped)."""
+    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+
+    target = family_target(model_type)
+    info = read_target_info(target)
+    weight_map = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    vision = {"qwen3_5_moe": "model.visual.", "glm5_next": "model.visual.", "llama4": "vision_model."}[model_type]
+    assert any(key.startswith(vision) for key in weight_map)
+    meta = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
+    stats = load_owned_parameters(meta, info)
+    loaded = meta.state_dict()
+    assert not any(name.startswith(vision) or ".visual." in name for name in loaded)
+    expected = reference_model(target, model_type).state_dict()
+    assert set(loaded) <= set(expected)
+    assert all(torch.equal(expected[name], loaded[name]) for name in loaded), model_type
+    persistent = {name for name, _ in meta.named_parameters()} | {
+        name for module_name, module in meta.named_modules() for name in (
+            f"{module_name}.{leaf}" if module_name else leaf for leaf in module._buffers
+            if leaf not in module._non_persistent_buffers_set)}
+    assert stats.bytes_read == sum(loaded[name].numel() * loaded[name].element_size() for name in persistent)
+
+
+def test_gpt_oss_computes_eager_attention_only(family_target):
+    family = get_family("gpt_oss")
+    assert family.resolve_attn_implementation(None) == "eager"
+    assert family.resolve_attn_implementation("eager") == "eager"
+    with pytest.raises(CaptureError) as caught:
+        family.resolve_attn_implementation("sdpa", source="run.yaml")
+    assert str(caught.value) == (
+        "run.yaml: `recipe_args.target_attn_implementation` 'sdpa': model_type 'gpt_oss' computes attention with "
+        "'eager' only (its attention sinks are in transformers' eager attention; sdpa does not support them). Set "
+        "it to 'eager' or leave it unset.")
+    assert get_family("qwen3").resolve_attn_implementation("sdpa") == "sdpa"  # any, where the family allows any
+    from ds_capture.engine.loading import build_meta_model
+
+    model = build_meta_model(read_target_info(family_target("gpt_oss")), dtype=torch.float32, attn_implementation=None)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_gpt_oss_sdpa_is_refused_before_loading(family_target, tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+        target_model_name_or_path=str(family_target("gpt_oss")), train_data_path="demo:conversations",
+        train_split="train[:2]", cache_output_dir=str(tmp_path / "cache"), seq_length=16, micro_batch_size=2,
+        cache_shard_size=2, target_attn_implementation="sdpa")}))
+    with pytest.raises(CaptureError, match=r"run.yaml: `recipe_args.target_attn_implementation` 'sdpa': model_type "
+                                           r"'gpt_oss' computes attention with 'eager' only"):
+        run_capture(load_config(recipe), show_progress=False)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("model_type, tp_size, ep_size, message", [
+    ("llama4", 1, 2, "ep_size 2: Llama 4's experts (feed_forward.experts) take every token pre-weighted by its "
+                     "router score through all experts densely (no (hidden, top_k_index, top_k_weights) call), "
+                     "which the expert-parallel layer cannot split exactly. Keep ep_size 1 (use data parallelism, "
+                     "or engine: fsdp2)."),
+    ("llama4", 2, 1, "tp_size 2: DeepSpeed AutoTP replaces the router (feed_forward.router, a linear layer returning "
+                     "(scores, logits)) of model_type 'llama4' with a plain linear layer, so the sharded forward dies "
+                     "unpacking it and this family has no tensor-parallel layout. Keep tp_size 1 and scale with data "
+                     "parallelism, or shard every parameter over the ranks with engine: fsdp2."),
+    ("qwen3_next", 2, 1, "tp_size 2: DeepSpeed AutoTP column-splits the shared-expert gate (mlp.shared_expert_gate) "
+                         "of model_type 'qwen3_next', a linear layer with a single output, which leaves a rank an "
+                         "empty shard, so this family has no tensor-parallel layout. Keep tp_size 1 and shard the "
+                         "routed experts with ep_size instead (data parallel x expert parallel)."),
+    ("gpt_oss", 2, 2, _autotp_refusal("the per-head attention sinks (self_attn.sinks)", "gpt_oss")),
+    ("glm5_next", 2, 1, _autotp_refusal("the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)", "glm5_next")),
+    ("glm4_moe", 2, 2, None),
+    ("glm5_next", 1, 2, None),
+    ("llama4", 1, 1, None),
+])
+def test_new_family_layout_refusals(family_target, model_type, tp_size, ep_size, message):
+    target = read_target_info(family_target(model_type))
+    if message is None:
+        _check_family_layout(target, tp_size, ep_size)
+        return
+    with pytest.raises(CaptureError) as caught:
+        _check_family_layout(target, tp_size, ep_size)
+    assert str(caught.value) == message
