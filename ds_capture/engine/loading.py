@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,11 +192,20 @@ class KeyMap:
     pattern_of: dict[str, str]
     """Checkpoint key -> the converter source pattern it matched (gate_proj / up_proj lists)."""
     unexpected: list[str]
+    ignored: list[str] = field(default_factory=list)
+    """Checkpoint keys that are not part of the model and are never read (multi-token-prediction layers)."""
 
 
-def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (), prefix: str = "") -> KeyMap:
+def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
+                         layers: str | None = None, prefix: str = "") -> KeyMap:
     """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out, and so
-    are keys outside ``prefix`` when one is given (the others are mapped with it stripped)."""
+    are keys outside ``prefix`` when one is given (the others are mapped with it stripped).
+
+    A key the model has no place for is ``ignored`` (never read, no error) when it matches the model's own
+    ``_keys_to_ignore_on_load_unexpected`` (transformers' regexes: DeepSeek-V4's ``mtp.*``) or sits in a
+    decoder layer past the model's last one under ``layers`` (the multi-token-prediction layer that
+    DeepSeek-V3 / Kimi-K2 store as ``model.layers.<num_hidden_layers>``, GLM as layer 92 / 78).
+    """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
 
@@ -206,7 +216,9 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
     sources: dict[str, list[str]] = defaultdict(list)
     converter_of: dict[str, Any] = {}
     pattern_of: dict[str, str] = {}
-    unexpected = []
+    unexpected, ignored = [], []
+    ignore_patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    num_layers = len(model.get_submodule(layers)) if layers else 0
     for key in sorted(keys, key=dot_natural_key):
         if not key.startswith(prefix):
             continue  # e.g. Llama 4's vision tower next to its `language_model.` text model
@@ -226,13 +238,28 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
         if any(renamed.startswith(module + ".") for module in dropped):
             pattern_of.pop(key, None)
             continue
+        if renamed not in model_names and _not_in_model(key, renamed, ignore_patterns, layers, num_layers):
+            pattern_of.pop(key, None)
+            ignored.append(key)
+            continue
         if matched is not None:
             converter_of[renamed] = matched
         if renamed in model_names:
             sources[renamed].append(key)
         else:
             unexpected.append(key)
-    return KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected)
+    return KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected,
+                  ignored=ignored)
+
+
+def _not_in_model(key: str, renamed: str, patterns: list[re.Pattern], layers: str | None, num_layers: int) -> bool:
+    """``key`` is a known extra tensor (an ignore regex, or a decoder layer index >= the model's depth)."""
+    if any(p.search(key) or p.search(renamed) for p in patterns):
+        return True
+    if layers and renamed.startswith(layers + "."):
+        index = renamed[len(layers) + 1 :].split(".", 1)[0]
+        return index.isdigit() and int(index) >= num_layers
+    return False
 
 
 def _read_slice(handle: Any, key: str, owned: OwnedSlice | None) -> torch.Tensor:
@@ -253,7 +280,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     """
     index = _checkpoint_index(target.path)
     family = target.family
-    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.checkpoint_prefix)
+    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules, family.layers, family.checkpoint_prefix)
     sources = key_map.sources
     state = model.state_dict(keep_vars=True)
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
