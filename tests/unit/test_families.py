@@ -373,3 +373,18 @@ def test_new_family_layout_refusals(family_target, model_type, tp_size, ep_size,
     with pytest.raises(CaptureError) as caught:
         _check_family_layout(target, tp_size, ep_size)
     assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("model_type, start", [
+    ("deepseek_v41", "config.json: model_type 'deepseek_v41' (DeepSeek-V4.1) has no transformers implementation, and "
+                     "NeMo AutoModel 0.7.0's DeepseekV41ForCausalLM"),
+    ("kimi_k3", "config.json: model_type 'kimi_k3' (Kimi K3) has no transformers implementation, and NeMo AutoModel "
+                "0.7.0's Kimi K3 model computes its KDA layers with the flash-linear-attention (fla) Triton kernels"),
+])
+def test_nemo_only_targets_are_refused_with_the_reason(tmp_path, model_type, start):
+    """Refused from config.json alone, before transformers is asked to read a config it does not know."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CaptureError) as caught:
+        read_target_info(tmp_path)
+    assert str(caught.value).startswith(f"{tmp_path / 'config.json'}: {start.removeprefix('config.json: ')}")
+    assert FAMILIES[model_type].refusal
