@@ -76,6 +76,10 @@ class Family:
     checkpoint_prefix: str = ""
     """Checkpoint keys under this prefix are the built model's (prefix stripped); all other keys (a vision tower
     stored next to it) are skipped, never read. Empty: every key is the model's."""
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    """Our own tensor-parallel plan instead of AutoTP (:mod:`ds_capture.engine.tensor_parallel`): decoder-layer-
+    relative linear paths -> ``colwise`` (output rows split) / ``rowwise`` (input columns split, fp32 all-reduce);
+    everything else is replicated. Empty: AutoTP shards the family."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:
@@ -158,6 +162,16 @@ _KIMI_K3 = (
     "(pip install flash-linear-attention) for this target."
 )
 
+# Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
+# scores every key with all its heads, so it cannot be head-split without changing its top-k), row-parallel o_proj,
+# and the dense / shared-expert MLPs split by their intermediate dim.
+_MLP_TP_PLAN = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+_MLA_TP_PLAN = {
+    "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise",
+    **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
+    **{f"mlp.shared_experts.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
+}
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -180,12 +194,10 @@ FAMILIES: dict[str, Family] = {
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
                                                 instead=_USE_EP),
         ),
-        # GLM-5.x: dense first layers (no experts there), DSA indexer attention.
+        # GLM-5.x: dense first layers (no experts there), DSA indexer attention. AutoTP mis-shards the DSA indexer
+        # (self_attn.indexer.wk), so TP is our own head-parallel MLA plan, the indexer replicated.
         Family(
-            model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
-                                                model_type="glm_moe_dsa", instead=_USE_EP),
+            model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
@@ -236,13 +248,9 @@ FAMILIES: dict[str, Family] = {
             tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
                                                    model_type="qwen3_next", instead=_USE_EP),
         ),
-        # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer.
-        Family(
-            model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the DSA indexer (self_attn.indexer.wk)",
-                                                model_type="deepseek_v32", instead=_USE_EP),
-        ),
+        # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer, which AutoTP mis-shards (self_attn.indexer.wk): TP is our
+        # own head-parallel MLA plan, the indexer replicated.
+        Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",

@@ -155,6 +155,8 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
                 sizes = meta["partition_sizes"]
                 owned[prefix + leaf] = OwnedSlice(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
                                                   length=sizes[module.tp_index])
+        for leaf, cut in getattr(module, "owned_slices", {}).items():  # our own TP plan's linears
+            owned[prefix + leaf] = cut
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:

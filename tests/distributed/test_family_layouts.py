@@ -62,6 +62,7 @@ EQUAL_CASES = [
 _NEW_FAMILY_CASES = [
     ("glm5_next", "ep", 2, 1, 2),
     ("gpt_oss", "ep", 2, 1, 2),
+    ("glm_moe_dsa", "tp", 2, 2, 1),  # our own TP plan (ds_capture.engine.tensor_parallel): head-parallel MLA
 ]
 _NEW_FAMILY_SLOW_CASES = [
     ("glm4_moe", "dp", 2, 1, 1),
@@ -77,21 +78,19 @@ _NEW_FAMILY_SLOW_CASES = [
     ("glm5_next", "fsdp2", 2, 1, 1),
     ("llama4", "dp", 2, 1, 1),
     ("llama4", "fsdp2", 2, 1, 1),
+    ("glm_moe_dsa", "tp_x_ep", 4, 2, 2),
+    ("deepseek_v32", "tp", 2, 2, 1),
+    ("deepseek_v32", "tp_x_ep", 4, 2, 2),
 ]
 EQUAL_CASES = [*EQUAL_CASES, *_NEW_FAMILY_CASES,
                *[pytest.param(*case, marks=pytest.mark.slow) for case in _NEW_FAMILY_SLOW_CASES]]
 # Refused before any weight loads: (model_type, layout, nproc, tp_size, ep_size, exact message).
 REFUSED_CASES = [
-    ("glm_moe_dsa", "tp", 2, 2, 1,
-     "tp_size 2: DeepSpeed AutoTP mis-shards the DSA indexer (self_attn.indexer.wk) of model_type 'glm_moe_dsa' "
-     "(the sharded forward dies with shape errors), so this family has no tensor-parallel layout. Keep tp_size 1 "
-     "and shard the routed experts with ep_size instead (data parallel x expert parallel)."),
+    ("llama4", "ep", 2, 1, 2, f"ep_size 2: {FAMILIES['llama4'].ep_refusal}"),
     *[pytest.param(model_type, layout, 2, tp_size, ep_size, message, marks=pytest.mark.slow)
       for model_type, layout, tp_size, ep_size, message in (
           *[(m, "tp", 2, 1, f"tp_size 2: {FAMILIES[m].tp_refusal}")
-            for m in ("qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss",
-                      "glm5_next", "llama4")],
-          ("llama4", "ep", 1, 2, f"ep_size 2: {FAMILIES['llama4'].ep_refusal}"))],
+            for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear", "gpt_oss", "glm5_next", "llama4")])],
 ]
 
 

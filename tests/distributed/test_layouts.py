@@ -68,14 +68,15 @@ LAYOUTS = {  # layout -> (world, tp_size, ep_size)
 BF16_FAMILY_LAYOUTS = {
     "mixtral": ("ep2", "tp2ep2"),
     "deepseek_v4": ("ep2",),
-    "glm_moe_dsa": ("ep2",),
+    "glm_moe_dsa": ("ep2", "tp2ep2"),  # TP: our own head-parallel MLA plan (fp32 o_proj / down_proj reduction)
     "kimi_k25": ("ep2", "tp2ep2"),
     "glm5_next": ("ep2",),  # KDA + DSA (16 indexer heads) + hyper-connections: the new families' CI cell
 }
 # The other families added for today's drafters: slow (deselected, and not launched, unless DS_CAPTURE_FULL=1).
 BF16_SLOW_FAMILY_LAYOUTS = {
     "glm4_moe": ("ep2", "tp2ep2"),
-    **{m: ("ep2",) for m in ("qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss")},
+    "deepseek_v32": ("ep2", "tp2ep2"),
+    **{m: ("ep2",) for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear", "gpt_oss")},
 }
 FULL = os.environ.get("DS_CAPTURE_FULL") == "1"
 BF16_CASES = [(m, layout) for m in MODEL_TYPES for layout in LAYOUTS] + [
