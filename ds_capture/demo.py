@@ -95,12 +95,14 @@ TINY_CONFIGS: dict[str, dict] = {
                      "compressed_sparse_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     ),
-    # GLM-5.x: first layer dense, DSA indexer attention (index_topk below the row length, so it selects).
+    # GLM-5.x: first layer dense, DSA indexer attention (index_topk below the row length, so it selects; 16
+    # indexer heads: with 2, ReLU zero ties make the top-k of a padded row differ from the row alone, up to 10.3
+    # in the hidden states).
     "glm_moe_dsa": dict(
         _COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
         n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=8, index_head_dim=16, index_n_heads=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=8, index_head_dim=16, index_n_heads=16,
     ),
     # Gemma 4 (text only: no vision / audio towers). The size fields live in text_config, so its vocab is
     # fixed here at the demo tokenizer's upper bound (train_tokenizer's vocab_size, specials included).
@@ -160,8 +162,8 @@ TINY_CONFIGS: dict[str, dict] = {
         linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
     ),
-    # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer (16 indexer heads: with 2, ReLU ties make top-k depend on
-    # the padding; index_topk below the row length, so it selects).
+    # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer (16 indexer heads, as for glm_moe_dsa; index_topk below the
+    # row length, so it selects).
     "deepseek_v32": dict(
         _COMMON, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
