@@ -1,6 +1,7 @@
 """DSA indexer tie-breaking: how far a padded row's hidden states sit from the same row forwarded alone.
 
-In:  the tiny random-init DSA families (``ds_capture.demo.TINY_CONFIGS``: deepseek_v32, glm_moe_dsa, glm5_next) with
+In:  the tiny random-init DSA families (``ds_capture.demo.TINY_CONFIGS``: deepseek_v32, glm_moe_dsa, glm5_next; and
+     deepseek_v4, whose compressed-attention indexer selects top-k the same way) with
      their indexer at 2 and at 16 heads, the first 16 demo conversations (at most 64 tokens), right-padded in pairs.
 Out: JSON on stdout: per family and head count, the max |padded - alone| over every hidden state of every row.
 
@@ -21,7 +22,7 @@ import transformers
 from ds_capture.demo import TINY_CONFIGS, _padded_vocab_size, demo_data_path, demo_tokenizer
 from ds_capture.families import FAMILIES
 
-FAMILIES_WITH_DSA = ("deepseek_v32", "glm_moe_dsa", "glm5_next")
+FAMILIES_WITH_DSA = ("deepseek_v32", "glm_moe_dsa", "glm5_next", "deepseek_v4")
 HEAD_COUNTS = (2, 16)
 NUM_ROWS, MAX_TOKENS = 16, 64
 

@@ -76,6 +76,8 @@ class Family:
     checkpoint_prefix: str = ""
     """Checkpoint keys under this prefix are the built model's (prefix stripped); all other keys (a vision tower
     stored next to it) are skipped, never read. Empty: every key is the model's."""
+    caveat: str = ""
+    """A limit of the family's cache the user should know (shown in the README's support table)."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     """Our own tensor-parallel plan instead of AutoTP (:mod:`ds_capture.engine.tensor_parallel`): decoder-layer-
     relative linear paths -> ``colwise`` (output rows split) / ``rowwise`` (input columns split, fp32 all-reduce);
@@ -165,6 +167,15 @@ _KIMI_K3 = (
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
 # scores every key with all its heads, so it cannot be head-split without changing its top-k), row-parallel o_proj,
 # and the dense / shared-expert MLPs split by their intermediate dim.
+_DSA_TIES = (
+    "the DSA indexer keeps the top index_topk keys by a sum over heads of ReLU'd scores; keys whose scores tie "
+    "(exactly 0, common with few indexer heads) are chosen by torch.topk differently for a row padded in a "
+    "micro-batch than for the row alone. So the cache can depend on how rows are batched (micro_batch_size, "
+    "capture.pad_to_multiple_of, capture.sort_by_length), never on the parallel layout (every layout forwards the "
+    "same micro-batches). Measured on the tiny targets (benchmarks/dsa_ties.py): up to {two} in the hidden states "
+    "with 2 indexer heads, {sixteen} with 16 (transformers' default configs have 32 or 64). A batching-independent cache is possible: "
+    "micro_batch_size 1 with capture.pad_to_multiple_of 1 forwards every row alone at its own length."
+)
 _MLP_TP_PLAN = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 _MLA_TP_PLAN = {
     "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise",
@@ -190,6 +201,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
+            caveat=_DSA_TIES.format(two="2.8", sixteen="1e-5").replace("the DSA indexer", "the compressed-attention "
+                                                                        "indexer (as DSA's)"),
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
                                                 instead=_USE_EP),
@@ -198,6 +211,7 @@ FAMILIES: dict[str, Family] = {
         # (self_attn.indexer.wk), so TP is our own head-parallel MLA plan, the indexer replicated.
         Family(
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
+            caveat=_DSA_TIES.format(two="10.3", sixteen="2e-6"),
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
@@ -250,7 +264,8 @@ FAMILIES: dict[str, Family] = {
         ),
         # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer, which AutoTP mis-shards (self_attn.indexer.wk): TP is our
         # own head-parallel MLA plan, the indexer replicated.
-        Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN),
+        Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
+               caveat=_DSA_TIES.format(two="8.7", sixteen="2e-6")),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",
@@ -282,6 +297,7 @@ FAMILIES: dict[str, Family] = {
             final_norm="model.language_model.norm", embed_tokens="model.language_model.embed_tokens",
             embed_weight_key="model.language_model.embed_tokens.weight",
             moe_block="mlp", num_experts_key="n_routed_experts", reduce_layer_output=_mean_over_hyper_connections,
+            caveat=_DSA_TIES.format(two="6.0", sixteen="1e-5"),
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
                                                 model_type="glm5_next", instead=_USE_EP),
