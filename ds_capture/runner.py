@@ -125,6 +125,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
+    target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
     plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)

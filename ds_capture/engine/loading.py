@@ -73,15 +73,17 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(target.path)
+    family = target.family
+    config = family.build_config(transformers.AutoConfig.from_pretrained(target.path))
     if target.checkpoint_num_hidden_layers is not None:
-        _reduce_depth(target.family.text_config(config), target.num_hidden_layers)
+        _reduce_depth(family.text_config(config), target.num_hidden_layers)
+    attn_implementation = family.resolve_attn_implementation(attn_implementation)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_class = target.family.model_class(config)
+    model_class = family.model_class(config)
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
-    target.family.drop_unused_modules(model)
+    family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
 
 
@@ -173,6 +175,8 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
                                                   length=sizes[module.tp_index])
         if getattr(module, "resident_quantized", False) and module.owned is not None:
             owned[module_name] = module.owned  # experts kept quantized (resident_experts): the EP rank's experts
+        for leaf, cut in getattr(module, "owned_slices", {}).items():  # our own TP plan's linears
+            owned[prefix + leaf] = cut
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:
@@ -217,8 +221,9 @@ class KeyMap:
 
 
 def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
-                         layers: str | None = None) -> KeyMap:
-    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out.
+                         layers: str | None = None, prefix: str = "") -> KeyMap:
+    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out, and so
+    are keys outside ``prefix`` when one is given (the others are mapped with it stripped).
 
     A key the model has no place for is ``ignored`` (never read, no error) when it matches the model's own
     ``_keys_to_ignore_on_load_unexpected`` (transformers' regexes: DeepSeek-V4's ``mtp.*``) or sits in a
@@ -239,7 +244,9 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
     ignore_patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     num_layers = len(model.get_submodule(layers)) if layers else 0
     for key in sorted(keys, key=dot_natural_key):
-        renamed = apply_renamings(key, renamings)
+        if not key.startswith(prefix):
+            continue  # e.g. Llama 4's vision tower next to its `language_model.` text model
+        renamed = apply_renamings(key[len(prefix):], renamings)
         matched = None
         for converter in converters:
             converted, pattern = converter.rename_source_key(renamed)
@@ -301,7 +308,7 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     index, _parts = quant.logical_keys(files, headers)
     family = target.family
     key_map = _map_checkpoint_keys(model, list(index), family.drop_modules + target.skipped_layer_modules,
-                                   family.layers)
+                                   family.layers, family.checkpoint_prefix)
     used = {key for keys in key_map.sources.values() for key in keys}
     key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
@@ -376,6 +383,9 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
     # fused tensor), so a layer's experts are never held twice (pieces + stacked copy).
     slot_of: dict[str, int] = {}
     num_patterns: dict[str, int] = {}
+    # A sliced tensor that a converter concatenates from several keys (KDA's q/k/v short convolutions into one
+    # conv1d) is read whole, converted, then cut: its pieces do not line up with the slice.
+    cut_after_convert: dict[str, OwnedSlice] = {}
     for name, keys in sources.items():
         cut = owned.get(name)
         if cut is not None and cut.length == 0:
@@ -390,7 +400,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
             converter = converter_of[name]
             stacked = isinstance(converter.operations[0], MergeModulelist)
             if cut is not None and not (cut.experts and stacked):
-                raise CaptureError(f"{name}: a sliced tensor built by {converter!r} is not supported.")
+                cut_after_convert[name], cut = cut, None
             keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
             pieces[name], num_pieces[name], cut = {}, len(keys), None
             if stacked:
@@ -440,6 +450,9 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 if len(pieces[name]) < num_pieces[name]:
                     continue
                 tensor = _convert_pieces(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+                if name in cut_after_convert:
+                    after = cut_after_convert[name]
+                    tensor = tensor.narrow(after.dim, after.start, after.length).clone()
             _copy_checked(destinations[name], tensor, name, key)
         stats.num_files += 1
     _release_freed_memory()

@@ -40,6 +40,7 @@ def load_with_from_pretrained(target: TargetInfo, *, dtype: torch.dtype,
 
     from ds_capture.engine.loading import default_device
 
+    attn_implementation = target.family.resolve_attn_implementation(attn_implementation)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = getattr(transformers, target.family.auto_class).from_pretrained(target.path, dtype=dtype, **kwargs)
     target.family.drop_unused_modules(model)

@@ -3,7 +3,7 @@
 Per family that ships them, a tiny release-layout checkpoint gets an MTP block in its own shard file, in the
 release's naming: DeepSeek-V3 / GLM ``model.layers.<num_hidden_layers>.*`` (a full decoder block plus
 ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head``), DeepSeek-V4 ``mtp.0.*``, Kimi-K2.5 under
-``language_model.``. The sharded loader fills exactly what it fills without them, reads exactly the bytes
+``language_model.``; GLM-4.x and DeepSeek-V3.2 as DeepSeek-V3, Qwen3-Next / Qwen3.5 ``mtp.*``. The sharded loader fills exactly what it fills without them, reads exactly the bytes
 of the other tensors, and never opens the MTP file.
 """
 
@@ -62,6 +62,10 @@ MTP_LAYOUTS = {  # model_type -> (MTP block prefix, the last decoder layer's pre
     "glm_moe_dsa": ("model.layers.4.", "model.layers.3."),
     "deepseek_v4": ("mtp.0.", "layers.3."),
     "kimi_k25": ("language_model.model.layers.4.", "language_model.model.layers.3."),
+    "glm4_moe": ("model.layers.4.", "model.layers.3."),  # GLM-4.5 / 4.6: layer 92 (GLM-4.5-Air: 46)
+    "deepseek_v32": ("model.layers.4.", "model.layers.3."),
+    "qwen3_next": ("mtp.layers.0.", "model.layers.3."),
+    "qwen3_5_moe": ("mtp.layers.0.", "model.language_model.layers.3."),
 }
 
 
@@ -87,7 +91,7 @@ def test_mtp_tensors_are_never_read(release_target, tmp_path, monkeypatch, model
     assert opened and MTP_FILE not in opened  # the MTP shard was never even opened
     expected = sum(t.numel() * t.element_size() for file in source.glob("model-*.safetensors")
                    for key, t in load_file(file).items()
-                   if not re.match(r"(language_model\.)?(model\.)?(vision_tower|mm_projector)", key))
+                   if not re.match(r"(language_model\.)?(model\.)?(vision_tower|mm_projector|visual)", key))
     assert stats.bytes_read == expected
 
     reference = build_meta_model(read_target_info(source), dtype=torch.float32, attn_implementation=None)
