@@ -1,5 +1,9 @@
 """The capture loop: config -> plan -> data -> engine -> hooks -> cache, in lockstep over all ranks.
 
+The cache kind (``cache_kind``: DSpark v1 here, :class:`DSparkKind`; EAGLE-3 v2 in :mod:`ds_capture.eagle3`)
+is one object chosen once by :func:`select_cache_kind`: it builds the manifest, turns a forward into
+what the writer takes, owns the shard layout and the finishing step. The loop does not branch on it.
+
 In: a validated :class:`~ds_capture.config.RunConfig`. Out: a cache directory (DESIGN §3) and a
 :class:`RunSummary`. Everything a user can get wrong (config, target, layout, data rows, a
 foreign output directory) is checked before any weight loads, and a refusal on rank 0 reaches
@@ -18,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -98,8 +102,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     args = cfg.recipe_args
     env = discover_env()
     target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
-    layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
-                                  source=cfg.source)
+    layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
@@ -134,25 +137,32 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
+    kind = select_cache_kind(cfg)
     try:
         # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
         # the rows of its own DP range. Any failure here ends every rank with the first message.
         error, prepared = None, None
         try:
-            prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
+            prepared = _prepare(cfg, kind, target, layer_ids, plan, out_dir, lock, restart=restart)
         except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
             error = caught
         agree_on_error(error)
-        return _capture(cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
+        # The kind's collective preparation (EAGLE-3: the draft vocabulary over all DP ranks), then
+        # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
+        try:
+            kind.publish(prepared, target, plan, out_dir, restart=restart)
+        except Exception as caught:  # noqa: BLE001 - as above
+            error = caught
+        agree_on_error(error)
+        return _capture(kind, cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared", *,
-             started: float, show_progress: bool) -> RunSummary:
+def _capture(kind: "CacheKind", cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+             prepared: "_Prepared", *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
-    dtype = DTYPES[args.cache_dtype]
     compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
@@ -169,6 +179,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                         attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
 
     device = next(model.parameters()).device
+    kind.start(target, device=device, compute_dtype=compute_dtype, manifest=manifest)
     options = cfg.capture
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
@@ -183,25 +194,25 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
     batches_per_shard = -(-manifest.shard_size // args.micro_batch_size)
     nonfinite: list[int] = []
-    writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
+    writer = kind.open_writer(out_dir, manifest, queue_shards=options.writer_queue_shards,
                               batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
     with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
-            model, target.family, layer_ids, target.num_hidden_layers) as hooks:
+            model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
             input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             hooks.reset()
-            # logits_to_keep=1: the cache needs no logits; [B, S, vocab] would dwarf the hidden states.
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
+            # distribution in chunks from the final hidden state, checked against these last logits).
+            output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
-            hidden, last = hooks.collect(dtype)
-            _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)
+            item = kind.micro_batch(batch, hooks, output, writes=plan.is_writer, check_finite=lambda hidden, last: (
+                _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
             if plan.is_writer:
-                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
-                                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last))
+                writer.put(item)
             progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
@@ -212,7 +223,7 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     agree_on_error(None)
     if plan.is_manifest_writer:
         with _output_errors(out_dir):
-            write_manifest(out_dir, manifest.with_complete(True))
+            kind.finish(out_dir, manifest)
     totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
@@ -222,8 +233,8 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     )
 
 
-def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,
-             lock: OutputLock | None, *, restart: bool) -> "_Prepared":
+def _prepare(cfg: RunConfig, kind: "CacheKind", target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+             out_dir: Path, lock: OutputLock | None, *, restart: bool) -> "_Prepared":
     """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
     from transformers import AutoTokenizer
 
@@ -232,7 +243,120 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     template = resolve_chat_template(tokenizer, args.chat_template)
     data_path = Path(resolve_special_path(args.train_data_path))
     conversations = read_conversations(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
-    manifest = Manifest(
+    manifest = kind.build_manifest(cfg, target, layer_ids, tokenizer=tokenizer, chat_template=template,
+                                   num_samples=len(conversations), plan=plan)
+    samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
+    rows = tokenize_conversations(
+        conversations[samples.start:samples.stop], tokenizer, chat_template=template, seq_length=args.seq_length,
+        mask_reasoning_content=args.mask_reasoning_content, mask_generation_prompt=args.mask_generation_prompt,
+    )
+    rows_by_shard = {}
+    for index in plan.shard_range(manifest.num_shards):
+        lo = index * manifest.shard_size - samples.start
+        hi = lo + manifest.shard_rows(index)
+        rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
+    prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
+    if plan.is_manifest_writer:
+        try:
+            kind.prepare_output(prepared, target, out_dir, data_path, lock, restart=restart)
+        except OSError as error:
+            raise output_error(out_dir, error) from error
+    return prepared
+
+
+def select_cache_kind(cfg: RunConfig) -> "CacheKind":
+    """The one place the cache kind is chosen (``cache_kind``)."""
+    if cfg.cache_kind == "eagle3":
+        from ds_capture.eagle3 import Eagle3Kind  # imports this module: chosen lazily
+
+        return Eagle3Kind(cfg)
+    return DSparkKind(cfg)
+
+
+class CacheKind(Protocol):
+    """What the loop asks of a cache kind (:class:`DSparkKind`, :class:`ds_capture.eagle3.Eagle3Kind`)."""
+
+    pre_norm_last: bool
+    """Hooks: layer id L-1 is the last decoder layer's own output (EAGLE-3), not the post-norm state (DSpark)."""
+
+    def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
+        """The captured layers, checked against the target (before any process group)."""
+
+    def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer,
+                       chat_template: str, num_samples: int, plan: ParallelPlan) -> Any:
+        """This run's manifest (EAGLE-3: without its vocabulary until :meth:`publish`)."""
+
+    def prepare_output(self, prepared: "_Prepared", target: TargetInfo, out_dir: Path, data_path: Path,
+                       lock: OutputLock, *, restart: bool) -> None:
+        """Rank 0, before any collective: refuse a foreign or changed directory, take the lock."""
+
+    def publish(self, prepared: "_Prepared", target: TargetInfo, plan: ParallelPlan, out_dir: Path, *,
+                restart: bool) -> None:
+        """Every rank, after the data agreed: collectives, then rank 0's pre-shard files and finished shards."""
+
+    def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any) -> None:
+        """The model is built: per-run state on the compute device."""
+
+    def open_writer(self, out_dir: Path, manifest: Any, *, queue_shards: int, batches_per_shard: int,
+                    synchronous: bool) -> Any:
+        """The shard writer (``put`` / ``close`` / context manager, ``bytes_written``, ``shards_written``)."""
+
+    def micro_batch(self, batch: "PlannedBatch", hooks: Any, output: Any, *, writes: bool,
+                    check_finite: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:
+        """One forward's hook captures -> the writer's item (None where this rank does not write)."""
+
+    def finish(self, out_dir: Path, manifest: Any) -> None:
+        """Rank 0, after every rank wrote its shards: mark the cache complete."""
+
+
+class DSparkKind:
+    """NeMo's DSpark offline cache (format v1, DESIGN §3): hidden states, manifest ``complete`` flag."""
+
+    pre_norm_last = False
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.recipe_args.cache_dtype]
+
+    def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
+        args = cfg.recipe_args
+        return resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
+                                 source=cfg.source)
+
+    def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer,
+                       chat_template: str, num_samples: int, plan: ParallelPlan) -> Manifest:
+        return _dspark_manifest(cfg, target, layer_ids, chat_template, num_samples, plan)
+
+    def prepare_output(self, prepared: "_Prepared", target: TargetInfo, out_dir: Path, data_path: Path,
+                       lock: OutputLock, *, restart: bool) -> None:
+        _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
+                        restart=restart)
+
+    def publish(self, prepared: "_Prepared", target: TargetInfo, plan: ParallelPlan, out_dir: Path, *,
+                restart: bool) -> None:
+        pass  # the target weights and the complete=false manifest were written by prepare_output
+
+    def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any) -> None:
+        pass
+
+    def open_writer(self, out_dir: Path, manifest: Manifest, **options: Any) -> AsyncShardWriter:
+        return AsyncShardWriter(out_dir, manifest, **options)
+
+    def micro_batch(self, batch: "PlannedBatch", hooks: Any, output: Any, *, writes: bool,
+                    check_finite: Callable[[torch.Tensor, torch.Tensor], None]) -> MicroBatch:
+        hidden, last = hooks.collect(self.dtype)
+        check_finite(hidden, last)
+        return MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
+                          loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last)
+
+    def finish(self, out_dir: Path, manifest: Manifest) -> None:
+        write_manifest(out_dir, manifest.with_complete(True))
+
+
+def _dspark_manifest(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], template: str, num_samples: int,
+                     plan: ParallelPlan) -> Manifest:
+    args = cfg.recipe_args
+    return Manifest(
         target_model=args.target_model_name_or_path,
         target_model_type=target.model_type,
         target_vocab_size=target.vocab_size,
@@ -240,7 +364,7 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
         num_hidden_layers=target.num_hidden_layers,
         seq_length=args.seq_length,
         dtype=args.cache_dtype,
-        num_samples=len(conversations),
+        num_samples=num_samples,
         shard_size=args.cache_shard_size,
         target_hidden_dim=target.hidden_size * len(layer_ids),
         target_last_hidden_dim=target.hidden_size,
@@ -255,23 +379,6 @@ def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                                   "world_size": plan.world_size, "dp_size": plan.dp_size, "tp_size": plan.tp_size,
                                   "ep_size": plan.ep_size}},
     )
-    samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
-    rows = tokenize_conversations(
-        conversations[samples.start:samples.stop], tokenizer, chat_template=template, seq_length=args.seq_length,
-        mask_reasoning_content=args.mask_reasoning_content, mask_generation_prompt=args.mask_generation_prompt,
-    )
-    rows_by_shard = {}
-    for index in plan.shard_range(manifest.num_shards):
-        lo = index * manifest.shard_size - samples.start
-        hi = lo + manifest.shard_rows(index)
-        rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
-    prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
-    if plan.is_manifest_writer:
-        try:
-            _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
-        except OSError as error:
-            raise output_error(out_dir, error) from error
-    return prepared
 
 
 def output_error(out_dir: Path, error: OSError) -> CaptureError:
@@ -305,7 +412,7 @@ def _prepare_output(prepared: _Prepared, target: TargetInfo, out_dir: Path, data
         prepared.manifest, bookkeeping={**prepared.manifest.bookkeeping, "inputs": fingerprints})
     existing = check_output_dir(out_dir, manifest)
     if existing is not None and not restart:
-        _refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
+        refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
     lock.acquire()
     prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
     prepared.already_complete = (len(prepared.done) == manifest.num_shards and existing is not None
@@ -317,7 +424,7 @@ def _prepare_output(prepared: _Prepared, target: TargetInfo, out_dir: Path, data
         write_manifest(out_dir, manifest)
 
 
-def _refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
+def refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
     changed = [name for name, value in current.items() if name in recorded and recorded[name] != value]
     if changed:
         what = {"train_data_sha256": "the dataset's content", "tokenizer_sha256": "the tokenizer files"}
