@@ -9,7 +9,10 @@ and the first ``--samples`` demo conversations. Out: one JSON object on stdout, 
 - ``eagle3_topk``: the same with ``--topk`` (values + int32 indices).
 
 For each: ``bytes_per_sample`` (shard bytes / samples, measured), ``tokens_per_s`` (the capture loop:
-forwards, hooks, the distribution, writes), and ``ratio_vs_dspark`` of the throughput. ``formula`` gives
+forwards, hooks, the distribution, writes), and ``ratio_vs_dspark`` of the throughput. ``components``
+times the same micro-batches (the runner's plan) in-process in this thread's CPU time, which a shared
+box disturbs less than wall time: the hooked forward alone, and the distribution (full, top-k) on its
+final hidden states; ``distribution_over_forward`` is the cost the EAGLE-3 kind adds. ``formula`` gives
 the bytes per sample of each layout for a real target (default: Qwen3-8B, H 4096, S 2048, bf16,
 draft vocab 32000, top-64), from the shard layouts (DESIGN §3 / EAGLE3_CACHE.md §3).
 
@@ -30,6 +33,7 @@ import torch
 
 # Runs from a checkout without `pip install -e .`: the repository root holds the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -41,6 +45,47 @@ def formula(*, hidden: int, seq_length: int, dtype: str, dspark_layers: int, dra
     common = seq_length * (8 * 3 + 3 * hidden * b + 1)  # input_ids, attention_mask, loss_mask; aux; position_mask
     return {"dspark": dspark, "eagle3_full": common + seq_length * draft_vocab * b,
             "eagle3_topk": common + seq_length * topk * (b + 4)}
+
+
+def _components(args) -> dict:
+    """Thread CPU seconds of the hooked forward and of the distribution over the runner's micro-batches."""
+    import time
+
+    from common import TRIMMED, workload
+
+    from ds_capture.capture import capture_hidden_states
+    from ds_capture.draft_distribution import DraftDistribution
+    from ds_capture.runner import read_target_weights
+
+    work = workload(args)
+    model = work.model()
+    batches = work.plan(TRIMMED)
+    _embed, lm_head = read_target_weights(work.target)
+    selected = list(range(args.draft_vocab_size))  # the vocabulary's content does not change the cost
+    distributions = {"full": DraftDistribution(lm_head.float(), selected, target_probs_topk=0, cache_dtype=torch.bfloat16),
+                     "topk": DraftDistribution(lm_head.float(), selected, target_probs_topk=args.topk,
+                                               cache_dtype=torch.bfloat16)}
+    seconds: dict[str, list[float]] = {"forward": [], "full": [], "topk": []}
+    for _ in range(args.repeats):
+        totals = dict.fromkeys(seconds, 0.0)
+        with torch.no_grad(), capture_hidden_states(model, work.target.family, [1, 2, 3],
+                                                    work.target.num_hidden_layers, pre_norm_last=True) as hooks:
+            for batch in batches:
+                input_ids, attention_mask = batch.model_inputs()
+                hooks.reset()
+                started = time.thread_time()
+                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+                _aux, last = hooks.collect(torch.float32)
+                totals["forward"] += time.thread_time() - started
+                for name, distribution in distributions.items():
+                    started = time.thread_time()
+                    distribution.compute(last, batch.loss_mask, batch.num_tokens, args.seq_length)
+                    totals[name] += time.thread_time() - started
+        for name, value in totals.items():
+            seconds[name].append(value)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    return {"cpu_seconds": median, "runs": seconds, "tokens": work.num_tokens,
+            "distribution_over_forward": {name: median[name] / median["forward"] for name in ("full", "topk")}}
 
 
 def main() -> None:
@@ -88,6 +133,7 @@ def main() -> None:
                 runs[name].append({"tokens_per_s": summary.tokens_per_s, "bytes_per_sample": shard_bytes / summary.num_samples,
                                    "capture_seconds": summary.capture_seconds})
                 shutil.rmtree(out)
+    components = _components(args)
     base = statistics.median(r["tokens_per_s"] for r in runs["dspark"])
     result = {
         "workload": {"target": "demo:qwen3_moe_tiny", "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
@@ -99,6 +145,7 @@ def main() -> None:
                          "bytes_per_sample": statistics.median(r["bytes_per_sample"] for r in rs),
                          "ratio_vs_dspark": statistics.median(r["tokens_per_s"] for r in rs) / base,
                          "runs": rs} for name, rs in runs.items()},
+        "components": components,
         "formula_this_workload": formula(hidden=target.hidden_size, seq_length=args.seq_length, dtype=args.cache_dtype,
                                          dspark_layers=3, draft_vocab=args.draft_vocab_size, topk=args.topk),
         "formula_qwen3_8b": {"hidden_size": 4096, "seq_length": 2048, "dtype": "bf16", "dspark_layers": 5,
