@@ -88,7 +88,7 @@ def _components(args) -> dict:
             "distribution_over_forward": {name: median[name] / median["forward"] for name in ("full", "topk")}}
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq-length", type=int, default=512)
@@ -153,8 +153,13 @@ def main() -> None:
                              "bytes_per_sample": formula(hidden=4096, seq_length=2048, dtype="bf16", dspark_layers=5,
                                                          draft_vocab=32000, topk=64)},
     }
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    import os
+
+    # DeepSpeed logs to stdout at import: stdout carries only the JSON.
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    json_out.write(json.dumps(main(), indent=2) + "\n")

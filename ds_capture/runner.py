@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -36,6 +36,7 @@ from ds_capture.cache.writer import (
     write_manifest,
     write_target_weights,
 )
+from ds_capture.cache_kind import CacheKind
 from ds_capture.capture import capture_hidden_states, resolve_layer_ids
 from ds_capture.config import RunConfig
 from ds_capture.data import (
@@ -160,7 +161,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             lock.release()
 
 
-def _capture(kind: "CacheKind", cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
              prepared: "_Prepared", *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
@@ -233,7 +234,7 @@ def _capture(kind: "CacheKind", cfg: RunConfig, target: TargetInfo, layer_ids: l
     )
 
 
-def _prepare(cfg: RunConfig, kind: "CacheKind", target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
              out_dir: Path, lock: OutputLock | None, *, restart: bool) -> "_Prepared":
     """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
     from transformers import AutoTokenizer
@@ -264,49 +265,13 @@ def _prepare(cfg: RunConfig, kind: "CacheKind", target: TargetInfo, layer_ids: l
     return prepared
 
 
-def select_cache_kind(cfg: RunConfig) -> "CacheKind":
+def select_cache_kind(cfg: RunConfig) -> CacheKind:
     """The one place the cache kind is chosen (``cache_kind``)."""
     if cfg.cache_kind == "eagle3":
         from ds_capture.eagle3 import Eagle3Kind  # imports this module: chosen lazily
 
         return Eagle3Kind(cfg)
     return DSparkKind(cfg)
-
-
-class CacheKind(Protocol):
-    """What the loop asks of a cache kind (:class:`DSparkKind`, :class:`ds_capture.eagle3.Eagle3Kind`)."""
-
-    pre_norm_last: bool
-    """Hooks: layer id L-1 is the last decoder layer's own output (EAGLE-3), not the post-norm state (DSpark)."""
-
-    def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
-        """The captured layers, checked against the target (before any process group)."""
-
-    def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer,
-                       chat_template: str, num_samples: int, plan: ParallelPlan) -> Any:
-        """This run's manifest (EAGLE-3: without its vocabulary until :meth:`publish`)."""
-
-    def prepare_output(self, prepared: "_Prepared", target: TargetInfo, out_dir: Path, data_path: Path,
-                       lock: OutputLock, *, restart: bool) -> None:
-        """Rank 0, before any collective: refuse a foreign or changed directory, take the lock."""
-
-    def publish(self, prepared: "_Prepared", target: TargetInfo, plan: ParallelPlan, out_dir: Path, *,
-                restart: bool) -> None:
-        """Every rank, after the data agreed: collectives, then rank 0's pre-shard files and finished shards."""
-
-    def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any) -> None:
-        """The model is built: per-run state on the compute device."""
-
-    def open_writer(self, out_dir: Path, manifest: Any, *, queue_shards: int, batches_per_shard: int,
-                    synchronous: bool) -> Any:
-        """The shard writer (``put`` / ``close`` / context manager, ``bytes_written``, ``shards_written``)."""
-
-    def micro_batch(self, batch: "PlannedBatch", hooks: Any, output: Any, *, writes: bool,
-                    check_finite: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:
-        """One forward's hook captures -> the writer's item (None where this rank does not write)."""
-
-    def finish(self, out_dir: Path, manifest: Any) -> None:
-        """Rank 0, after every rank wrote its shards: mark the cache complete."""
 
 
 class DSparkKind:
