@@ -89,8 +89,8 @@ class RunSummary:
         if not self.published:
             return f"{self.output_dir} already holds this complete cache ({self.num_samples} samples); nothing to do"
         if self.shards_written == 0 and self.shards_skipped == self.num_shards:
-            return (f"all {self.num_shards} shards of {self.output_dir} were already done; published the manifest "
-                    f"(complete: true) for {self.num_samples} samples")
+            return (f"all {self.num_shards} shards of {self.output_dir} were already done; marked the cache complete "
+                    f"for {self.num_samples} samples")
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
             f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
