@@ -73,3 +73,24 @@ def test_nemo_argument_checks(recipe_args, message):
 def test_unknown_cache_kind():
     with pytest.raises(CaptureError, match=r"^r\.yaml: `cache_kind` must be one of dspark, eagle3, got 'medusa'\.$"):
         _parse("medusa")
+
+
+@pytest.mark.parametrize("aux_layer_ids, message", [
+    (None, "r.yaml: the target has 4 decoder layers, too shallow for NeMo's default EAGLE-3 aux layers [1, 1, 0] "
+           "([1, L//2 - 1, L - 4] needs L >= 7). Set `recipe_args.aux_layer_ids` to 3 distinct ids in 0..3, matching "
+           "the draft's num_aux_hidden_states."),
+    ([0, 2, 4], "r.yaml: `recipe_args.aux_layer_ids` [0, 2, 4] has ids outside 0..3 (4); the target has 4 decoder "
+                "layers (id i is the output of decoder layer i, before the final norm)."),
+])
+def test_aux_layer_ids_against_the_target(tiny_target, tmp_path, aux_layer_ids, message):
+    from ds_capture.runner import run_capture
+
+    extra = {} if aux_layer_ids is None else {"aux_layer_ids": aux_layer_ids}
+    raw = copy.deepcopy(BASE)
+    raw["cache_kind"] = "eagle3"
+    raw["recipe_args"].update(target_model_name_or_path=str(tiny_target("qwen3")),
+                              cache_output_dir=str(tmp_path / "out"), **extra)
+    with pytest.raises(CaptureError) as caught:
+        run_capture(parse_config(raw, source="r.yaml", base_dir=Path(".")), show_progress=False)
+    assert str(caught.value) == message
+    assert not (tmp_path / "out").exists()  # refused before anything is written
