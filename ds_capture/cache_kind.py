@@ -36,8 +36,9 @@ class CacheKind(Protocol):
     def publish(self, prepared: Any, target: Any, plan: Any, out_dir: Path, *, restart: bool) -> None:
         """Every rank, after the data agreed: collectives, then rank 0's pre-shard files and finished shards."""
 
-    def start(self, target: Any, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any) -> None:
-        """The model is built: per-run state on the compute device."""
+    def start(self, target: Any, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any,
+              writes: bool) -> None:
+        """The model is built: per-run state on the compute device (``writes``: this rank writes shards)."""
 
     def open_writer(self, out_dir: Path, manifest: Any, *, queue_shards: int, batches_per_shard: int,
                     synchronous: bool) -> Any:

@@ -160,9 +160,11 @@ class Eagle3Kind:
         write_bookkeeping(out_dir, RUN_RECORD_NAME, {"producer": self.producer, "inputs": self.fingerprints})
 
     def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype,
-              manifest: Eagle3Manifest) -> None:
-        _embed, lm_head = read_target_weights(target)
+              manifest: Eagle3Manifest, writes: bool) -> None:
         self.compute_dtype = compute_dtype
+        if not writes:
+            return  # the other ranks of a TP group discard their copy of the batch: no lm_head needed
+        _embed, lm_head = read_target_weights(target)
         self.distribution = DraftDistribution(lm_head.to(device, compute_dtype), list(manifest.selected_token_ids),
                                               target_probs_topk=manifest.target_probs_topk,
                                               cache_dtype=self.cache_dtype)

@@ -180,7 +180,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                         attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
 
     device = next(model.parameters()).device
-    kind.start(target, device=device, compute_dtype=compute_dtype, manifest=manifest)
+    kind.start(target, device=device, compute_dtype=compute_dtype, manifest=manifest, writes=plan.is_writer)
     options = cfg.capture
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
@@ -301,7 +301,8 @@ class DSparkKind:
                 restart: bool) -> None:
         pass  # the target weights and the complete=false manifest were written by prepare_output
 
-    def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any) -> None:
+    def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any,
+              writes: bool) -> None:
         pass
 
     def open_writer(self, out_dir: Path, manifest: Manifest, **options: Any) -> AsyncShardWriter:

@@ -94,3 +94,22 @@ def test_aux_layer_ids_against_the_target(tiny_target, tmp_path, aux_layer_ids, 
         run_capture(parse_config(raw, source="r.yaml", base_dir=Path(".")), show_progress=False)
     assert str(caught.value) == message
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_nemo_precompute_eagle3_argv_maps_one_to_one():
+    from ds_capture.eagle3 import recipe_from_nemo_argv
+
+    argv = ["--target-model", "m", "--input-data", "d.jsonl", "--output-dir", "o", "--draft-vocab-size", "8192",
+            "--target-probs-topk", "64", "--shard-size", "128", "--dtype", "fp32", "--device", "cpu", "--split",
+            "train[:10]", "--shuffle-seed", "7", "--aux-layer-ids", "9", "2", "30", "--mask-reasoning-content",
+            "--mask-generation-prompt", "--trust-remote-code", "--num-workers", "2", "--resume", "--log-level", "INFO"]
+    recipe = recipe_from_nemo_argv(argv)
+    assert recipe == {"cache_kind": "eagle3", "recipe_args": {
+        "seq_length": 2048, "micro_batch_size": 4,  # NeMo's defaults where ours differ
+        "target_model_name_or_path": "m", "train_data_path": "d.jsonl", "cache_output_dir": "o",
+        "draft_vocab_size": 8192, "target_probs_topk": 64, "cache_shard_size": 128, "cache_dtype": "fp32",
+        "train_split": "train[:10]", "shuffle_seed": 7, "aux_layer_ids": [9, 2, 30], "mask_reasoning_content": True,
+        "mask_generation_prompt": True, "trust_remote_code": True, "num_workers": 2}}
+    assert parse_config(recipe, source="r.yaml", base_dir=Path(".")).recipe_args.aux_layer_ids == (9, 2, 30)
+    with pytest.raises(CaptureError, match=r"precompute_eagle3 flag '--chat-template' has no ds_capture key"):
+        recipe_from_nemo_argv(["--chat-template", "x"])
