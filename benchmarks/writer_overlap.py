@@ -31,7 +31,7 @@ from common import TRIMMED, base_parser, capture_loop, interleaved, median, micr
 
 import ds_capture.cache.async_writer as async_writer  # noqa: E402 - after common puts the checkout on sys.path
 from ds_capture.cache.writer import DSparkShards  # noqa: E402
-from ds_capture.runner import _host_staging  # noqa: E402
+from ds_capture.dspark import host_staging  # noqa: E402
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
             return out
 
         def writer(name: str, repeat: int, *, synchronous: bool):
-            staging = _host_staging(manifest, work.micro_batch_size, args.buffer_mib, torch.device("cpu"))
+            staging = host_staging(manifest, work.micro_batch_size, args.buffer_mib, torch.device("cpu"))
             return async_writer.AsyncShardWriter(DSparkShards(fresh(name, repeat), manifest), staging,
                                                  synchronous=synchronous)
 

@@ -1,4 +1,5 @@
-"""Cache reader: verify and inspect a DSpark v1 cache directory (DESIGN.md §3).
+"""Cache reader: verify and inspect a DSpark v1 cache directory (DESIGN.md §3); EAGLE-3 v2 caches are
+handed to :mod:`ds_capture.cache.eagle3_reader` (same reports).
 
 In: a cache directory. Out: its ``Manifest`` (``read_manifest``); a ``VerifyReport`` listing every
 way the directory breaks the contract (``verify_cache``); a summary dict and its human text
@@ -93,6 +94,10 @@ class VerifyReport:
 def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     """Check every contract rule on ``cache_dir``; ``checksums`` also re-hashes each shard."""
     cache_dir = Path(cache_dir)
+    from ds_capture.cache import eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.verify_eagle3_cache(cache_dir, checksums=checksums)
     report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
     try:
         manifest = read_manifest(cache_dir)
@@ -284,6 +289,10 @@ def inspect_cache(cache_dir: Path) -> dict[str, Any]:
     """Counts, sizes (logical, on disk, padding fraction) and identity of a cache, reading only input_ids and
     loss_mask of each shard."""
     cache_dir = Path(cache_dir)
+    from ds_capture.cache import eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.inspect_eagle3_cache(cache_dir)
     manifest = read_manifest(cache_dir)
     present = sorted(_shard_indices(cache_dir))
     pad_id = _infer_pad_id(cache_dir, present)
@@ -326,6 +335,10 @@ def _padding_fraction(num_tokens: int, present: list[int], manifest: Manifest) -
 
 def format_inspect(info: dict[str, Any]) -> str:
     """Human text for ``inspect_cache``'s dict."""
+    if info.get("kind") == "eagle3":
+        from ds_capture.cache.eagle3_reader import format_eagle3_inspect
+
+        return format_eagle3_inspect(info)
     samples, tokens = info["samples"], info["tokens"]
     state = "complete" if info["complete"] else "INCOMPLETE"
     lines = [

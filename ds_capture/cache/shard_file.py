@@ -119,7 +119,7 @@ class ShardFile:
         self.bytes_written = 0
         self._slots = {slot.name: slot for slot in layout.slots}
         self._row_digests: dict[str, list[bytes | None]] = {s.name: [None] * s.num_rows for s in layout.slots}
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # what safetensors.save_file (and so NeMo) leaves
         try:
             os.ftruncate(self._fd, layout.total_bytes)  # the full length first: unwritten ranges stay holes
             self._pwrite(layout.header, 0)
