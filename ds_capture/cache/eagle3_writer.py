@@ -29,7 +29,6 @@ from ds_capture.cache.eagle3_format import (
     COMPLETE_NAME,
     EAGLE3_FORMAT_VERSION,
     EMBEDDINGS_NAME,
-    RUN_RECORD_NAME,
     Eagle3Manifest,
 )
 from ds_capture.cache.format import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME, shard_name
