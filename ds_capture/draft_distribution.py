@@ -113,9 +113,10 @@ class DraftDistribution:
         self.topk = target_probs_topk if is_compressed(target_probs_topk, self.draft_vocab_size) else 0
         self.cache_dtype = cache_dtype
         self.chunk = chunk_positions(self.vocab_size)
-        # The value every non-content slot holds: softmax of zero logits (NeMo's S - 1), through the same top-k.
-        uniform = torch.softmax(torch.zeros(1, self.draft_vocab_size), dim=-1)
-        self._filler = self._encode(uniform)
+        # The value every non-content slot holds: softmax of zero logits (NeMo's S - 1), through the same top-k
+        # on the same device (the order top-k gives exact ties is the backend's).
+        uniform = torch.softmax(torch.zeros(1, self.draft_vocab_size, device=lm_head.device), dim=-1)
+        self._filler = {name: value.cpu() for name, value in self._encode(uniform).items()}
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """[..., V] logits of hidden states [..., H], as the model's own lm_head computes them."""

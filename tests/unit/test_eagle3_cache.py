@@ -7,7 +7,6 @@ the same target; the kill tests fork a real process and SIGKILL it inside a forw
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

@@ -113,3 +113,10 @@ def test_nemo_precompute_eagle3_argv_maps_one_to_one():
     assert parse_config(recipe, source="r.yaml", base_dir=Path(".")).recipe_args.aux_layer_ids == (9, 2, 30)
     with pytest.raises(CaptureError, match=r"precompute_eagle3 flag '--chat-template' has no ds_capture key"):
         recipe_from_nemo_argv(["--chat-template", "x"])
+
+
+def test_the_example_recipe_parses():
+    from ds_capture.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_eagle3.yaml")
+    assert (cfg.cache_kind, cfg.recipe_args.aux_layer_ids, cfg.recipe_args.draft_vocab_size) == ("eagle3", (1, 2, 3), 1024)

@@ -76,3 +76,29 @@ def test_nemo_reader_and_trainer_accept_our_cache(targets, tmp_path):
         assert verdict["num_samples"] == 10 and verdict["embeddings_shape"] == [manifest["target_vocab_size"], 64]
         assert verdict["target_probs_shape"] == [48, manifest["draft_vocab_size"]]
         assert verdict["loss_finite"] and verdict["grads_finite"] and verdict["supervised_positions"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not NEMO_PYTHON.is_file(), reason=f"no NeMo side environment at {NEMO_PYTHON}")
+def test_nemo_resume_accepts_our_directory(targets, tmp_path):
+    """NeMo's own --resume, same settings: dict-equal manifest, nothing rewritten but identical bytes;
+    another draft vocabulary: refused, naming the fields."""
+    case = "qwen3_full"
+    target, out = targets[SPEC["cases"][case]["target"]], tmp_path / "cache"
+    _run_case(case, target, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = json.loads((FIXTURES / f"{case}.nemo_args.json").read_text())["argv"]
+    argv = [str(target) if a == "qwen3" else str(FIXTURES / "data.jsonl") if a == "data.jsonl" else
+            str(out) if a == case else a for a in argv]
+    script = REPO / "tools" / "nemo_oracle" / "run_precompute_eagle3.py"
+
+    def nemo(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(NEMO_PYTHON), str(script), *argv, "--resume", *extra], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    result = nemo()
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    refused = nemo("--draft-vocab-size", "100")
+    assert refused.returncode != 0 and "mismatched fields: ['draft_vocab_size', 'selected_token_ids']" in refused.stderr
