@@ -2,10 +2,13 @@
 
 In:  the safetensors headers of a checkpoint (key -> dtype, shape; no tensor data) and ``config.json``'s
      ``quantization_config`` (only for the block / group size and to refuse methods we cannot read).
-Out: :func:`plan_quantized` -> a :class:`QuantTensor` per quantized weight (under its logical key, e.g.
-     ``X.weight`` for compressed-tensors' ``X.weight_packed``) and the set of checkpoint keys that are its
-     parts (scales, shapes, activation scales: never model tensors); :func:`read_dequantized` -> this rank's
-     slice of one weight in fp32, reading only the stored bytes and the scale blocks that cover the slice.
+Out: :func:`read_quant_config` -> the block / group sizes (an unsupported ``quant_method`` is refused);
+     :func:`logical_keys` -> the checkpoint's keys as the model sees them (``X.weight`` for compressed-tensors'
+     ``X.weight_packed``) and the keys that are parts of a quantized weight (scales, shapes, activation
+     scales: never model tensors); :func:`plan_quantized` -> a :class:`QuantTensor` per quantized weight the
+     model reads, checked against its scale; :func:`read_dequantized` -> this rank's slice of one weight in
+     fp32, reading only the stored bytes and the scale blocks that cover the slice; :func:`read_parts` /
+     :func:`dequantize` -> the same as stored / decoded later (:mod:`.resident_experts`).
 
 A tensor is quantized iff its dtype is 1-byte / packed *and* it has a scale sibling (never from the key
 name or ``config.json``: an offline-converted bf16 checkpoint often keeps a stale ``quantization_config``).
