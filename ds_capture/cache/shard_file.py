@@ -142,6 +142,7 @@ class ShardFile:
             raw = data.view(torch.uint8).numpy()  # bytes of every element, any dtype (bf16 included)
             per_row = raw.reshape(len(positions), -1)
             if name in self.zero_tail:
+                assert data.shape[2:] == slot.shape[2:] and data.shape[1] <= slot.shape[1], (name, data.shape)
                 position_bytes = slot.row_bytes // slot.shape[1]
                 for b, row in enumerate(positions):
                     real = per_row[b, :lengths[b] * position_bytes]
