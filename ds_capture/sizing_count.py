@@ -345,6 +345,15 @@ class Sizer:
         return [c for c in out if c != layout]
 
 
+def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
+    """Elements of ``entry`` on ``rank`` under FSDP2: its dim-0 chunk if it is a sharded parameter, else all."""
+    from ds_capture.engine.meta_layout import fsdp2_local_rows
+
+    if not entry.fsdp_sharded:
+        return entry.numel()
+    return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -162,3 +162,13 @@ def test_plan_refuses_what_run_refuses(capsys):
             "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'glm5'}", "--set", "distributed.tp_size=2"]
     assert main(argv) == 2
     assert "tp_size 2: DeepSpeed AutoTP mis-shards the DSA indexer" in capsys.readouterr().err
+
+
+def test_fsdp2_plan_of_a_real_target_shards_every_expert_once():
+    cfg = _cfg(RELEASES / "qwen3_235b_a22b", engine="fsdp2")
+    report = plan_capture(cfg, world_size=64, gpu_memory_gib=79.6, suggest=False)
+    c = json.loads((RELEASES / "qwen3_235b_a22b" / "config.json").read_text())
+    experts = c["num_hidden_layers"] * c["num_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * 2
+    assert sum(r.param_bytes_by_kind["routed experts"] for r in report.ranks) == experts
+    assert len(report.ranks) == 64 and report.layout.engine == "fsdp2"
+    assert report.ranks[0].fsdp2_gather_bytes > 0 and report.fits
