@@ -192,6 +192,12 @@ _MLA_TP_PLAN = {
     **{f"mlp.shared_experts.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
 }
 
+# Head-parallel grouped-query attention (q / k / v by heads, row-parallel o_proj) and the MLP by its intermediate dim.
+_GQA_TP_PLAN = {
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
+}
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -227,14 +233,14 @@ FAMILIES: dict[str, Family] = {
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
+        # AutoTP mis-shards the per-layer input gate (per_layer_input_gate): TP is our own head-parallel plan,
+        # the per-layer input gate and projection replicated.
         Family(
             model_type="gemma4", text_config_attr="text_config",
             layers="model.language_model.layers", final_norm="model.language_model.norm",
             embed_tokens="model.language_model.embed_tokens",
             embed_weight_key="model.language_model.embed_tokens.weight",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the per-layer input gate (per_layer_input_gate)",
-                                                model_type="gemma4", instead=_USE_DP_OR_FSDP2),
+            tp_plan=_GQA_TP_PLAN,
             supports_ep=False,
             ep_refusal=_DENSE_ONLY.format(model_type="gemma4")
             + " Gemma 4's MoE variant keeps its experts on the decoder layer itself, which the expert-parallel "

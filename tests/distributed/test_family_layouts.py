@@ -81,6 +81,7 @@ _NEW_FAMILY_SLOW_CASES = [
     ("glm_moe_dsa", "tp_x_ep", 4, 2, 2),
     ("deepseek_v32", "tp", 2, 2, 1),
     ("deepseek_v32", "tp_x_ep", 4, 2, 2),
+    ("gemma4", "tp", 2, 2, 1),  # our own plan: head-parallel GQA, the per-layer input gate replicated
 ]
 EQUAL_CASES = [*EQUAL_CASES, *_NEW_FAMILY_CASES,
                *[pytest.param(*case, marks=pytest.mark.slow) for case in _NEW_FAMILY_SLOW_CASES]]

@@ -236,10 +236,7 @@ def _autotp_refusal(what: str, model_type: str) -> str:
     ("deepseek_v4", 2, 1, _autotp_refusal("the attention compressor", "deepseek_v4")),
     ("deepseek_v4", 2, 2, _autotp_refusal("the attention compressor", "deepseek_v4")),
     ("glm_moe_dsa", 2, 2, None),  # our own head-parallel MLA plan (AutoTP mis-shards its DSA indexer)
-    ("gemma4", 2, 1, "tp_size 2: DeepSpeed AutoTP mis-shards the per-layer input gate (per_layer_input_gate) of "
-                     "model_type 'gemma4' (the sharded forward dies with shape errors), so this family has no "
-                     "tensor-parallel layout. Keep tp_size 1 and scale with data parallelism, or shard every "
-                     "parameter over the ranks with engine: fsdp2."),
+    ("gemma4", 2, 1, None),  # our own head-parallel plan (AutoTP mis-shards its per-layer input gate)
     ("deepseek_v4", 1, 2, None),
     ("glm_moe_dsa", 1, 2, None),
     ("mixtral", 2, 2, None),
