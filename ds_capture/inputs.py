@@ -58,7 +58,9 @@ def checkpoint_files(target_dir: Path) -> list[Path]:
 
 def check_checkpoint_files(target: TargetInfo) -> None:
     """Every safetensors file is complete (header parses, data reaches the size it declares) and stores
-    floating-point tensors (an 8-bit / 4-bit tensor is a quantized checkpoint that config.json does not say)."""
+    floating-point tensors (an 8-bit / 4-bit tensor is a quantized checkpoint that config.json does not say;
+    a checkpoint whose config.json declares its quantization is left to the quantization checks)."""
+    declared = _declares_quantization(target.path / "config.json")
     for path in checkpoint_files(target.path):
         header, data_start = _read_header(path)
         size = path.stat().st_size
@@ -73,12 +75,21 @@ def check_checkpoint_files(target: TargetInfo) -> None:
             if name == "__metadata__":
                 continue
             dtype = meta.get("dtype")
-            if dtype not in _FLOAT_DTYPES and dtype not in _OTHER_OK:
+            if not declared and dtype not in _FLOAT_DTYPES and dtype not in _OTHER_OK:
                 raise CaptureError(
                     f"{path}: tensor {name!r} is stored as {dtype}, which is not a bf16 / fp16 / fp32 weight "
                     "(8-bit and 4-bit storage means a quantized checkpoint). Convert the checkpoint to bf16 first "
                     "and point recipe_args.target_model_name_or_path at the converted directory."
                 )
+
+
+def _declares_quantization(config_path: Path) -> bool:
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    sections = (raw, raw.get("text_config") or {}) if isinstance(raw, dict) else ()
+    return any(isinstance(section, dict) and section.get("quantization_config") for section in sections)
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
