@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 
-import pytest
-
 from ds_capture.data import read_conversations
 from ds_capture.messages import Conversation, normalize_row
 
