@@ -188,14 +188,21 @@ def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_
 
 
 def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """GLM-5's DSA indexer: fp32 ``[B, S, index_heads, S]`` scores, scaled then relu'd (two alive at once)."""
-    return 2 * batch * seq_length * text_config.index_n_heads * seq_length * 4
+    """GLM-5's DSA indexer: ``matmul([B, S, Hi, D], [B, 1, D, S])`` broadcasts, so torch materialises the keys
+    once per query, ``[B, S, D, S]`` fp32, next to the ``[B, S, Hi, S]`` fp32 scores; scaling and relu then hold
+    two score tensors. Peak: ``B * S * S * 4 * max(D + Hi, 2 Hi)``."""
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * seq_length * 4 * max(dim + heads, 2 * heads)
 
 
 def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """DeepSeek-V4's CSA indexer: fp32 ``[B, S, index_heads, S / rate]`` scores (matmul, relu, scaled: three)."""
+    """DeepSeek-V4's CSA indexer: the same broadcast matmul over the ``T = S / rate`` compressed keys
+    (``[B, S, D, T]`` + ``[B, S, Hi, T]`` fp32), then relu and scaling hold three score tensors."""
     rate = compressed_rate(text_config, "compressed_sparse_attention")
-    return 3 * batch * seq_length * text_config.index_n_heads * (seq_length // rate) * 4 if rate else 0
+    if not rate:
+        return 0
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * (seq_length // rate) * 4 * max(dim + heads, 3 * heads)
 
 
 def compressed_keys_per_query(text_config) -> float:
