@@ -137,8 +137,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
     sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`).
-    Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient kernel (no
-    [S, S] scores); balanced routing (each EP rank receives T*K pairs; a hot rank receives more).
+    Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
+    [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
+    balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
+    checks the estimate against a measured forward (at least the peak, at most 3x it).
     """
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     T = B * S
