@@ -137,8 +137,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
     sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`).
-    Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient kernel (no
-    [S, S] scores); balanced routing (each EP rank receives T*K pairs; a hot rank receives more).
+    Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
+    [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
+    balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
+    checks the estimate against a measured forward (at least the peak, at most 3x it).
     """
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     T = B * S
@@ -188,14 +190,21 @@ def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_
 
 
 def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """GLM-5's DSA indexer: fp32 ``[B, S, index_heads, S]`` scores, scaled then relu'd (two alive at once)."""
-    return 2 * batch * seq_length * text_config.index_n_heads * seq_length * 4
+    """GLM-5's DSA indexer: ``matmul([B, S, Hi, D], [B, 1, D, S])`` broadcasts, so torch materialises the keys
+    once per query, ``[B, S, D, S]`` fp32, next to the ``[B, S, Hi, S]`` fp32 scores; scaling and relu then hold
+    two score tensors. Peak: ``B * S * S * 4 * max(D + Hi, 2 Hi)``."""
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * seq_length * 4 * max(dim + heads, 2 * heads)
 
 
 def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """DeepSeek-V4's CSA indexer: fp32 ``[B, S, index_heads, S / rate]`` scores (matmul, relu, scaled: three)."""
+    """DeepSeek-V4's CSA indexer: the same broadcast matmul over the ``T = S / rate`` compressed keys
+    (``[B, S, D, T]`` + ``[B, S, Hi, T]`` fp32), then relu and scaling hold three score tensors."""
     rate = compressed_rate(text_config, "compressed_sparse_attention")
-    return 3 * batch * seq_length * text_config.index_n_heads * (seq_length // rate) * 4 if rate else 0
+    if not rate:
+        return 0
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * (seq_length // rate) * 4 * max(dim + heads, 3 * heads)
 
 
 def compressed_keys_per_query(text_config) -> float:
