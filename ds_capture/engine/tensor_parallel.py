@@ -2,7 +2,7 @@
 
 In:  a plain Hugging Face causal LM on ``meta`` (experts already expert-parallel or not), its
      :class:`~ds_capture.families.Family` (``tp_plan``: decoder-layer-relative linear paths -> ``colwise`` /
-     ``rowwise``), and this rank's TP group.
+     ``gathered``), and this rank's TP group.
 Out: the same model, each planned linear keeping this rank's block of output rows ``[r * N/tp, (r+1) * N/tp)``:
      ``colwise`` layers (the local heads of a head-major projection: MLA's ``q_b_proj`` and ``kv_b_proj``, GQA's
      ``q/k/v_proj``, an MLP's ``gate_proj`` / ``up_proj``) compute their block locally; ``gathered`` layers
