@@ -348,8 +348,11 @@ def test_bf16_compute_same_experts_and_states(layout_runs, model_type, layout):
     tp_size = LAYOUTS[layout][1]
     total = sum(s["tokens"] for s in routes["per_layer"].values())
     assert total > 0
-    if tp_size == 1:
-        # DP and EP run the model's own math on the same rows: bit-identical.
+    from ds_capture.families import FAMILIES
+
+    if tp_size == 1 or FAMILIES[model_type].tp_plan:
+        # DP and EP run the model's own math on the same rows; our own TP plans add no partial sums
+        # (ds_capture.engine.tensor_parallel.GatheredLinear): bit-identical.
         assert not routes["flips"], routes["per_layer"]
         assert all(s["max_abs"] == 0.0 for s in cache.values()), cache
         return
