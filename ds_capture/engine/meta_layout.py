@@ -93,7 +93,11 @@ def build_layout_on_meta(target: TargetInfo, *, dtype: torch.dtype, tp_size: int
         raise CaptureError(f"distributed.tp_size ({tp_size}): {family.tp_refusal} Set distributed.tp_size to 1.")
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model = apply_expert_parallel(model, family, ep_group=None, ep_size=ep_size, ep_rank=0)
-    if tp_size > 1:
+    if tp_size > 1 and family.tp_plan:  # AutoTP mis-shards this family: the engine applies our own plan
+        from ds_capture.engine.tensor_parallel import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, family, tp_group=None, tp_size=tp_size, tp_rank=0)
+    elif tp_size > 1:
         model = apply_autotp_on_meta(model, tp_size=tp_size, dtype=dtype, tp_grain_size=tp_grain_size)
     return model
 
@@ -123,6 +127,9 @@ def tensor_partitions(model: nn.Module) -> dict[str, TensorPartition]:
 
     found: dict[str, TensorPartition] = {}
     for module_name, module in model.named_modules():
+        # Our own plan's linears (engine/tensor_parallel.py) publish their slice: an even split of dim 0.
+        for leaf, cut in getattr(module, "owned_slices", {}).items():
+            found[f"{module_name}.{leaf}"] = TensorPartition(dim=cut.dim, sizes=(cut.length,) * module.tp_size)
         if not isinstance(module, TensorParallel_Layer):
             continue
         module._mark_uc_metadata()

@@ -32,6 +32,7 @@ class ColumnParallelLinear(nn.Linear):
     """This rank's output rows of a linear layer: a local result, no communication."""
 
     owned_slices: dict[str, OwnedSlice]
+    tp_size: int
 
 
 class GatheredLinear(nn.Linear):
@@ -95,7 +96,7 @@ def apply_tensor_parallel(model: nn.Module, family: Family, *, tp_group: dist.Pr
             else:
                 linear.__class__ = GatheredLinear
                 linear.tp_group, linear.tp_size = tp_group, tp_size
-            linear.owned_slices = owned
+            linear.owned_slices, linear.tp_size = owned, tp_size  # tp_size: plan reads the split (meta_layout)
             num_sharded += 1
     assert num_sharded, f"family {family.model_type!r}: no linear of its tp_plan found under {family.layers}"
     return model
