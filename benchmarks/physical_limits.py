@@ -72,7 +72,8 @@ def main() -> None:
         "bytes_written_over_real_bytes": round(summary.bytes_written / real_bytes, 4),
         "logical_over_real_bytes": round(summary.logical_bytes / real_bytes, 3),
         "writer_busy_seconds": [round(s.writer_busy_seconds, 3) for s in summaries],
-        "writer_busy_fraction": round(statistics.median(s.writer_busy_seconds / s.capture_seconds for s in summaries), 3),
+        "writer_busy_fraction": round(statistics.median(s.writer_busy_seconds / s.capture_seconds
+                                                        for s in summaries), 3),
         "capture_loop_seconds": [round(v, 3) for v in loops],
         "bare_forward_seconds": [round(v, 3) for v in bare],
         "capture_loop_over_bare_forward": round(loop / forward, 3),
@@ -101,7 +102,8 @@ def _header_bytes(cache: Path) -> int:
     from ds_capture.cache.shard_file import SafetensorsLayout
 
     manifest = read_manifest(cache)
-    return sum(len(SafetensorsLayout.build(manifest.expected_shard_tensors(i)).header) for i in range(manifest.num_shards))
+    return sum(len(SafetensorsLayout.build(manifest.expected_shard_tensors(i)).header)
+               for i in range(manifest.num_shards))
 
 
 def _model_and_batches(cfg, work):
