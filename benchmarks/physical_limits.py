@@ -11,7 +11,8 @@ interleaved repeats (medians):
 - ``writer_busy_fraction``: the writer thread's busy time / the capture loop's time (below 1: writes
   never stall the forward);
 - ``capture_loop_over_bare_forward``: ``run_capture``'s forward/write loop vs a bare forward of the same
-  model over the same micro-batches (no hooks, no copies, no writes): the capture's own overhead.
+  model object (the one ``run_capture`` built, run again right after it, warm) over the same micro-batches
+  (no hooks, no copies, no writes): the capture's own overhead. The loop's first forward is cold.
 
     python benchmarks/physical_limits.py [--repeats 3] [--root /tmp/ds_capture_limits]
 """
@@ -40,16 +41,22 @@ def main() -> None:
     from ds_capture.config import load_config
     from ds_capture.runner import run_capture
 
+    import ds_capture.runner as runner
+
     work = build_workload(args.root)
     cfg = load_config(work.recipe(args.root / "out"))
-    model, batches = _model_and_batches(cfg, work)
+    batches = _batches(cfg, work)
+    # The bare forward runs on the very model run_capture built (same build path, same memory), warm.
+    models = []
+    build = runner._build_model
+    runner._build_model = lambda *a, **k: models.append(build(*a, **k)) or models[-1]
     bare, loops, summaries = [], [], []
     for _ in range(args.repeats):
-        bare.append(_bare_forward(model, batches))
         shutil.rmtree(args.root / "out", ignore_errors=True)
         summary = run_capture(cfg, show_progress=False)
         loops.append(summary.capture_seconds)
         summaries.append(summary)
+        bare.append(_bare_forward(models.pop(), batches))
     summary = summaries[-1]
     real_tokens = int(sum(int(b.num_tokens.sum()) for b in batches))
     computed = sum(b.length * len(b.rows) for b in batches)
@@ -72,7 +79,8 @@ def main() -> None:
         "bytes_written_over_real_bytes": round(summary.bytes_written / real_bytes, 4),
         "logical_over_real_bytes": round(summary.logical_bytes / real_bytes, 3),
         "writer_busy_seconds": [round(s.writer_busy_seconds, 3) for s in summaries],
-        "writer_busy_fraction": round(statistics.median(s.writer_busy_seconds / s.capture_seconds for s in summaries), 3),
+        "writer_busy_fraction": round(statistics.median(s.writer_busy_seconds / s.capture_seconds
+                                                        for s in summaries), 3),
         "capture_loop_seconds": [round(v, 3) for v in loops],
         "bare_forward_seconds": [round(v, 3) for v in bare],
         "capture_loop_over_bare_forward": round(loop / forward, 3),
@@ -101,16 +109,15 @@ def _header_bytes(cache: Path) -> int:
     from ds_capture.cache.shard_file import SafetensorsLayout
 
     manifest = read_manifest(cache)
-    return sum(len(SafetensorsLayout.build(manifest.expected_shard_tensors(i)).header) for i in range(manifest.num_shards))
+    return sum(len(SafetensorsLayout.build(manifest.expected_shard_tensors(i)).header)
+               for i in range(manifest.num_shards))
 
 
-def _model_and_batches(cfg, work):
+def _batches(cfg, work):
     from transformers import AutoTokenizer
 
     from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
-    from ds_capture.engine.single import build_single_model
-    from ds_capture.families import read_target_info
-    from ds_capture.runner import plan_micro_batches, resolve_compute_dtype
+    from ds_capture.runner import plan_micro_batches
 
     args = cfg.recipe_args
     tokenizer = AutoTokenizer.from_pretrained(str(work.target))
@@ -122,9 +129,7 @@ def _model_and_batches(cfg, work):
         hi = lo + args.cache_shard_size
         shard = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
         batches += plan_micro_batches(index, shard, MICRO_BATCH_SIZE, SEQ_LENGTH, cfg.capture)
-    model = build_single_model(read_target_info(work.target), dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
-                               attn_implementation=args.target_attn_implementation)
-    return model, batches
+    return batches
 
 
 def _bare_forward(model, batches) -> float:

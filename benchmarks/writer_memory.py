@@ -5,9 +5,10 @@ In: the issue-16 target (Qwen3-MoE hidden 256, 3 captured layers: 2 KiB of bf16 
 chat rows (so the forwards are cheap) at seq 4096, i.e. 8 MiB of states per row, and shards of
 ``--shard-rows`` rows each (default 64, 128, 256, 384: 0.5 to 3 GiB). Every capture runs the same 384 rows
 (the largest shard size), so only the shard size changes between them (the rank's tokenised rows, which the
-runner holds whatever the writer, stay the same), each as its own ``ds-capture run`` process, from this checkout ("after") and from ``--before`` (a checkout of the
-earlier writer, e.g. ``git worktree add /tmp/writer_before a7c1052``). Out: one JSON object: per tree and
-shard size the process's peak RSS, and the growth over the smallest shard, against one micro-batch of
+runner holds whatever the writer, stay the same), each as its own ``ds-capture run`` process, from this
+checkout ("after") and from ``--before`` (a checkout of the earlier writer, e.g.
+``git worktree add /tmp/writer_before a7c1052``). Out: one JSON object: per tree and shard size the process's
+peak RSS, and the growth over the smallest shard, against one micro-batch of
 states at full length (the goal: growth <= 2 micro-batches + a fixed amount, whatever the shard size).
 
     python benchmarks/writer_memory.py [--before /tmp/writer_before] [--shard-rows 64 128 256 384]
@@ -30,7 +31,8 @@ from write_path_workload import build_workload
 CHECKOUT = Path(__file__).resolve().parents[1]
 SEQ_LENGTH = 4096
 MICRO_BATCH_SIZE = 4
-PROBE = ("import resource, sys\nfrom ds_capture.cli import main\nrc = main(['run', '-c', sys.argv[1], '--no-progress'])\n"
+PROBE = ("import resource, sys\nfrom ds_capture.cli import main\n"
+         "rc = main(['run', '-c', sys.argv[1], '--no-progress'])\n"
          "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(rc)\n")
 
 

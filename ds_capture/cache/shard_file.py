@@ -81,7 +81,8 @@ class SafetensorsLayout:
         for name in order:
             shape, dtype = tuple(tensors[name][0]), tensors[name][1]
             num_bytes = _numel(shape) * dtype.itemsize
-            entries[name] = {"dtype": _DTYPE_NAME[dtype], "shape": list(shape), "data_offsets": [start, start + num_bytes]}
+            entries[name] = {"dtype": _DTYPE_NAME[dtype], "shape": list(shape),
+                             "data_offsets": [start, start + num_bytes]}
             spans.append((name, shape, dtype, start, num_bytes))
             start += num_bytes
         text = json.dumps(entries, separators=(",", ":")).encode()
@@ -148,7 +149,7 @@ class ShardFile:
                     real = per_row[b, :lengths[b] * position_bytes]
                     self._write_row(slot, row, real, slot.row_bytes - len(real))
             else:
-                assert per_row.shape[1] == slot.row_bytes, f"{name}: rows of {per_row.shape[1]} bytes, expected {slot.row_bytes}"
+                assert per_row.shape[1] == slot.row_bytes, (name, per_row.shape[1], slot.row_bytes)
                 for b, row in enumerate(positions):
                     self._write_row(slot, row, per_row[b], 0)
 
@@ -248,7 +249,8 @@ def _layout_from_header(text: bytes, path: Path) -> SafetensorsLayout:
     by_name = {name: dtype for dtype, name in _DTYPE_NAME.items()}
     try:
         entries = json.loads(text)
-        tensors = {name: (tuple(e["shape"]), by_name[e["dtype"]]) for name, e in entries.items() if name != "__metadata__"}
+        tensors = {name: (tuple(e["shape"]), by_name[e["dtype"]])
+                   for name, e in entries.items() if name != "__metadata__"}
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: unreadable safetensors header ({error})") from None
     return SafetensorsLayout.build(tensors)

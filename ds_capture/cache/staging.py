@@ -65,7 +65,7 @@ class HostStaging:
                     host[name] = t  # already on the host (token ids, masks)
                     continue
                 num_bytes = t.numel() * t.element_size()
-                assert offset + num_bytes <= buffer.numel(), f"{name}: the staging slot of {buffer.numel()} bytes is too small"
+                assert offset + num_bytes <= buffer.numel(), f"{name}: a staging slot of {buffer.numel()} bytes is too small"
                 view = buffer[offset:offset + num_bytes].view(t.dtype).view(t.shape)
                 view.copy_(t, non_blocking=True)
                 t.record_stream(self._stream)  # its device memory is reused only after this copy

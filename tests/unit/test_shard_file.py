@@ -279,7 +279,7 @@ def test_on_cuda_queued_states_hold_no_device_memory(tmp_path):
 
 
 def test_demo_capture_stores_fewer_bytes_than_its_logical_size_and_verifies(tmp_path):
-    """The demo recipe (first shard of 64 rows): padding tails are holes on disk; NeMo's reader path
+    """The demo recipe (its first 16 rows, one shard): padding tails are holes on disk; NeMo's reader path
     (safetensors' mmap) sees the zeros; the recorded checksums verify."""
     from pathlib import Path
 
@@ -289,8 +289,9 @@ def test_demo_capture_stores_fewer_bytes_than_its_logical_size_and_verifies(tmp_
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
     out = tmp_path / "demo"
-    summary = run_capture(load_config(recipe, overrides=[f"recipe_args.cache_output_dir={out}",
-                                                         "recipe_args.train_split=train[:64]"]), show_progress=False)
+    overrides = [f"recipe_args.cache_output_dir={out}", "recipe_args.train_split=train[:16]",
+                 "recipe_args.cache_shard_size=16"]
+    summary = run_capture(load_config(recipe, overrides=overrides), show_progress=False)
     shard = out / shard_name(0)
     assert summary.logical_bytes == shard.stat().st_size and summary.disk_bytes == shard.stat().st_blocks * 512
     assert summary.disk_bytes < 0.6 * summary.logical_bytes, (summary.disk_bytes, summary.logical_bytes)
