@@ -148,8 +148,9 @@ def capture_loop(model: torch.nn.Module, work: Workload, batches: list, sink: Ca
 def micro_batch(batch, hidden: torch.Tensor, last: torch.Tensor):
     from ds_capture.cache.async_writer import MicroBatch
 
-    return MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
-                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last)
+    return MicroBatch(shard_index=batch.shard_index, rows=batch.rows, num_tokens=batch.num_tokens,
+                      tensors={"input_ids": batch.input_ids, "loss_mask": batch.loss_mask,
+                               "target_hidden_states": hidden, "target_last_hidden_states": last})
 
 
 def interleaved(variants: dict[str, Callable[[int], float]], repeats: int) -> dict[str, list[float]]:

@@ -2,15 +2,15 @@
 
 In: the demo target and the first ``--samples`` demo conversations (seq 512, the runner's default
 trimmed + sorted micro-batches), cut into ``--shard-size``-row shards. Writes are slowed to about
-the compute time: ``write_shard`` (as the async writer calls it) is wrapped so each shard's write,
-real safetensors write + sha256 + fsync included, takes ``--write-factor`` x the measured compute
+the compute time: ``DSparkShards.finish`` (as the async writer calls it once a shard's rows are in) is
+wrapped so each shard's write (rows, checksum, fsync, rename) takes ``--write-factor`` x the measured compute
 time per shard (it sleeps for the rest). Out: one JSON object on stdout with, per variant, every
 run and the median seconds:
 
 - ``compute_only``: the runner's compute loop (hooks, forward, collect), results dropped;
 - ``write_only``: the same micro-batches (captured once beforehand) through the synchronous writer;
-- ``synchronous``: compute loop + ``AsyncShardWriter(synchronous=True)`` (writer_queue_shards 0);
-- ``asynchronous``: compute loop + ``AsyncShardWriter(queue_shards=2)``, ``close`` (the join) included;
+- ``synchronous``: compute loop + ``AsyncShardWriter(synchronous=True)`` (writer_buffer_mib 0);
+- ``asynchronous``: compute loop + ``AsyncShardWriter`` with ``--buffer-mib`` of slots, ``close`` (the join) included;
 
 and ``ratio`` = asynchronous / max(compute_only, write_only) (goal: <= 1.15). With N shards the
 last write cannot overlap any compute, so the floor is about (N + 1) / N: 16 shards by default.
@@ -25,24 +25,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 
 from common import TRIMMED, base_parser, capture_loop, interleaved, median, micro_batch, summary, workload
 
 import ds_capture.cache.async_writer as async_writer  # noqa: E402 - after common puts the checkout on sys.path
+from ds_capture.cache.writer import DSparkShards  # noqa: E402
+from ds_capture.dspark import host_staging  # noqa: E402
 
 
 def main() -> None:
     parser = base_parser(__doc__, samples=128, shard_size=8)
     parser.add_argument("--write-factor", type=float, default=1.0,
                         help="each shard write is slowed to this x the compute time per shard")
-    parser.add_argument("--queue-shards", type=int, default=2)
+    parser.add_argument("--buffer-mib", type=int, default=64)
     args = parser.parse_args()
     work = workload(args)
     model = work.model()
     manifest = work.manifest()
     plan = work.plan(TRIMMED)
     num_shards = manifest.num_shards
-    batches_per_shard = -(-work.shard_size // work.micro_batch_size)
 
     capture_loop(model, work, plan[:2])  # warm-up
     captured = []
@@ -51,15 +53,15 @@ def main() -> None:
     compute_calibration = [capture_loop(model, work, plan) for _ in range(3)]
     per_shard = args.write_factor * median(compute_calibration) / num_shards
 
-    real_write_shard = async_writer.write_shard
+    real_finish = DSparkShards.finish
 
-    def slow_write_shard(out_dir, index, tensors, manifest):
+    def slow_finish(self, index, shard):
         started = time.perf_counter()
-        written = real_write_shard(out_dir, index, tensors, manifest)
+        written = real_finish(self, index, shard)
         time.sleep(max(0.0, per_shard - (time.perf_counter() - started)))
         return written
 
-    async_writer.write_shard = slow_write_shard
+    DSparkShards.finish = slow_finish
 
     with tempfile.TemporaryDirectory(prefix="writer_overlap-") as tmp:
         def fresh(name: str, repeat: int) -> Path:
@@ -68,8 +70,9 @@ def main() -> None:
             return out
 
         def writer(name: str, repeat: int, *, synchronous: bool):
-            return async_writer.AsyncShardWriter(fresh(name, repeat), manifest, queue_shards=args.queue_shards,
-                                                 batches_per_shard=batches_per_shard, synchronous=synchronous)
+            staging = host_staging(manifest, work.micro_batch_size, args.buffer_mib, torch.device("cpu"))
+            return async_writer.AsyncShardWriter(DSparkShards(fresh(name, repeat), manifest), staging,
+                                                 synchronous=synchronous)
 
         def compute_only(_repeat: int) -> float:
             return capture_loop(model, work, plan)
@@ -102,7 +105,7 @@ def main() -> None:
         "benchmark": "writer_overlap",
         **work.describe(),
         "num_shards": num_shards,
-        "queue_shards": args.queue_shards,
+        "buffer_mib": args.buffer_mib,
         "shard_bytes_total": shard_bytes,
         "compute_calibration_seconds": [round(x, 3) for x in compute_calibration],
         "write_seconds_per_shard_target": round(per_shard, 4),

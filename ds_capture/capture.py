@@ -6,7 +6,9 @@ intermediate features ``[B, S, H*k]`` and the post-final-norm state ``[B, S, H]`
 
 Layer-id semantics (DESIGN §3), for L decoder layers: id ``i`` in ``0..L-2`` is the output of
 decoder layer ``i`` (Hugging Face ``hidden_states[i+1]``); id ``L-1`` is the post-final-norm output
-(so its slice equals the last hidden state); id ``-1`` is the embedding output.
+(so its slice equals the last hidden state); id ``-1`` is the embedding output. With
+``pre_norm_last`` (EAGLE-3's semantics) id ``L-1`` is the last decoder layer's own output instead, and
+the post-norm state is still recorded as the last hidden state.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def _first_tensor(output) -> torch.Tensor:
 class LayerCapture:
     """Holds what the hooks saw during the current forward; ``collect`` assembles the features."""
 
-    def __init__(self, layer_ids: list[int], num_layers: int, family: Family) -> None:
+    def __init__(self, layer_ids: list[int], num_layers: int, family: Family, *, pre_norm_last: bool = False) -> None:
         self.layer_ids = layer_ids
         self.num_layers = num_layers
+        self.post_norm_id = None if pre_norm_last else num_layers - 1
         self.family = family
         self._seen: dict[int, torch.Tensor] = {}
         self._last: torch.Tensor | None = None
@@ -71,7 +74,7 @@ class LayerCapture:
 
     def collect(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(target_hidden_states [B, S, H*k], target_last_hidden_states [B, S, H])`` in ``dtype``."""
-        missing = [i for i in self.layer_ids if i not in self._seen and i != self.num_layers - 1]
+        missing = [i for i in self.layer_ids if i not in self._seen and i != self.post_norm_id]
         if missing or self._last is None:
             never = missing + ([] if self._last is not None else [self.num_layers - 1])
             raise RuntimeError(
@@ -79,24 +82,24 @@ class LayerCapture:
                 f"{self.family.model_type!r} does not match the model's module layout"
             )
         last = self._last
-        features = [last if i == self.num_layers - 1 else self._seen[i] for i in self.layer_ids]
+        features = [last if i == self.post_norm_id else self._seen[i] for i in self.layer_ids]
         hidden = torch.cat([f.to(dtype) for f in features], dim=-1)
         return hidden, last.to(dtype)
 
 
 @contextmanager
 def capture_hidden_states(
-    model: torch.nn.Module, family: Family, layer_ids: list[int], num_layers: int
+    model: torch.nn.Module, family: Family, layer_ids: list[int], num_layers: int, *, pre_norm_last: bool = False
 ) -> Iterator[LayerCapture]:
     """Register the hooks for ``layer_ids`` (+ the final norm); remove them on exit, errors included."""
-    capture = LayerCapture(layer_ids, num_layers, family)
+    capture = LayerCapture(layer_ids, num_layers, family, pre_norm_last=pre_norm_last)
     layers = model.get_submodule(family.layers)
     handles = []
     try:
         for layer_id in layer_ids:
             if layer_id == -1:
                 module = model.get_submodule(family.embed_tokens)
-            elif layer_id < num_layers - 1:
+            elif layer_id != capture.post_norm_id:
                 module = layers[layer_id]
             else:
                 continue  # L-1 is the final norm output, recorded below for every run

@@ -1,7 +1,7 @@
 """Configuration: a YAML recipe (+ DeepSpeed JSON) -> a validated, frozen :class:`RunConfig`.
 
 In: the path of a YAML recipe in NeMo AutoModel's precompute schema (``dist_env``,
-``distributed``, ``recipe_args``) plus this project's ``engine`` and ``deepspeed_config`` keys,
+``distributed``, ``recipe_args``) plus this project's ``engine``, ``cache_kind`` and ``deepspeed_config`` keys,
 and ``--set dotted.key=value`` overrides. Out: a frozen ``RunConfig``; the rest of the code never
 sees a raw dict. Every value is type-checked and range-checked here, before any process group
 or weight is touched; every error names the file and the YAML path of the bad value. Checks
@@ -30,6 +30,7 @@ _LOG = logging.getLogger("ds_capture")
 
 CACHE_DTYPES = ("bf16", "fp16", "fp32")
 ENGINES = ("deepspeed", "fsdp2")
+CACHE_KINDS = ("dspark", "eagle3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,14 +112,34 @@ class RecipeArgs:
     """Captured layers (strictly increasing; -1 = embeddings, L-1 = post-final-norm). Default: DESIGN §3 rule."""
     draft_num_hidden_layers: int = 5
     """Drives the default layer ids when target_layer_ids is unset."""
+    target_num_hidden_layers: int | None = None
+    """NeMo's reduced-depth diagnostic: build and read only the first N decoder layers (1 <= N <= L)."""
     chat_template: str | None = None
     """Override of the tokenizer's chat template: inline Jinja or a file path."""
     mask_reasoning_content: bool = False
     mask_generation_prompt: bool = False
     target_attn_implementation: str | None = None
     """``sdpa`` / ``eager`` / ...; default: the transformers default."""
+    draft_vocab_size: int | None = None
+    """EAGLE-3 only (NeMo's ``--draft-vocab-size``): the draft vocabulary; absent: the full target vocabulary."""
+    target_probs_topk: int | None = None
+    """EAGLE-3 only (``--target-probs-topk``): store the top-k of ``target_probs``; 0 or absent: in full."""
+    aux_layer_ids: tuple[int, ...] | None = None
+    """EAGLE-3 only (``--aux-layer-ids``): 3 distinct decoder layers (pre-norm outputs), in concatenation
+    order. Default: NeMo's ``[1, L//2 - 1, L - 4]``."""
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"must be >= 1 or absent (absent: the full target vocabulary), got "
+                             f"{self.draft_vocab_size}", "draft_vocab_size")
+        if self.target_probs_topk is not None and self.target_probs_topk < 0:
+            raise ValueError(f"must be >= 0 (0: target_probs stored in full), got {self.target_probs_topk}",
+                             "target_probs_topk")
+        aux = self.aux_layer_ids
+        if aux is not None and (len(aux) != 3 or len(set(aux)) != 3 or min(aux) < 0):
+            raise ValueError(
+                f"must be exactly 3 distinct decoder layer ids >= 0 (EAGLE-3 concatenates 3 layers, matching the "
+                f"draft's num_aux_hidden_states), got {list(aux)}", "aux_layer_ids")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}", "cache_dtype")
         if self.seq_length < 2:
@@ -149,8 +170,10 @@ class CaptureOptions:
     Hidden states at padding positions are written as 0 either way."""
     sort_by_length: bool = True
     """Batch rows of similar length together within each shard (rows are still written in dataset order)."""
-    writer_queue_shards: int = 2
-    """Shards' worth of micro-batches the asynchronous writer may hold (0: write synchronously)."""
+    writer_buffer_mib: int = 1024
+    """Host memory (MiB) for captured micro-batches waiting to be written (pinned on CUDA): the forward
+    loop waits while it is full. At least one micro-batch fits whatever the value; 0 writes synchronously.
+    Whole shards are never held: rows go to their place in the shard file as their micro-batch completes."""
     nan_policy: str = "fail"
     """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
@@ -163,14 +186,20 @@ class CaptureOptions:
     compute_dtype: str = "auto"
     """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
     the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
+    expert_storage: str = "dequantized"
+    """Quantized checkpoints: ``dequantized`` (every weight dequantized to the compute dtype on load) or
+    ``checkpoint`` (routed experts stay resident in the checkpoint's FP8 / FP4 / INT4 format and are
+    dequantized per expert just before its matmul; same cache bit for bit, less memory)."""
 
     def __post_init__(self) -> None:
+        if self.expert_storage not in ("dequantized", "checkpoint"):
+            raise ValueError(f"must be dequantized or checkpoint, got {self.expert_storage!r}", "expert_storage")
         if self.compute_dtype not in ("auto", *CACHE_DTYPES):
             raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
         if self.pad_to_multiple_of < 0:
             raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
-        if self.writer_queue_shards < 0:
-            raise ValueError(f"must be >= 0, got {self.writer_queue_shards}", "writer_queue_shards")
+        if self.writer_buffer_mib < 0:
+            raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
         if self.nan_policy not in ("fail", "record"):
             raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
         if self.gpu_memory_gib is not None and self.gpu_memory_gib < 0:
@@ -189,6 +218,8 @@ class RunConfig:
     capture: CaptureOptions = field(default_factory=CaptureOptions)
     engine: str = "deepspeed"
     """``deepspeed`` (AutoTP + expert parallelism) or ``fsdp2`` (torch fully_shard)."""
+    cache_kind: str = "dspark"
+    """``dspark`` (NeMo's DSpark offline cache, format v1) or ``eagle3`` (its EAGLE-3 offline cache, format v2)."""
     deepspeed_config: Mapping[str, Any] | None = None
     """The DeepSpeed config: a path (relative to the YAML file) or an inline mapping; loaded here."""
     source: str = "<config>"
@@ -198,6 +229,35 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"must be one of {', '.join(ENGINES)}, got {self.engine!r}", "engine")
+        if self.cache_kind not in CACHE_KINDS:
+            raise ValueError(f"must be one of {', '.join(CACHE_KINDS)}, got {self.cache_kind!r}", "cache_kind")
+
+
+# recipe_args keys that only one cache kind reads: key -> (its kind, why the other kind refuses it).
+KIND_ONLY_KEYS: dict[str, tuple[str, str]] = {
+    "draft_vocab_size": ("eagle3", "it sizes the draft vocabulary of EAGLE-3's target_probs; the DSpark cache "
+                                   "stores hidden states and no target distribution"),
+    "target_probs_topk": ("eagle3", "it compresses EAGLE-3's target_probs; the DSpark cache has none"),
+    "aux_layer_ids": ("eagle3", "it names EAGLE-3's 3 aux layers; the DSpark cache captures "
+                                "recipe_args.target_layer_ids"),
+    "target_layer_ids": ("dspark", "EAGLE-3 captures exactly 3 pre-norm decoder outputs named by "
+                                   "recipe_args.aux_layer_ids (NeMo's --aux-layer-ids)"),
+    "draft_num_hidden_layers": ("dspark", "it only drives DSpark's default target_layer_ids; EAGLE-3's default "
+                                          "aux layers are NeMo's [1, L//2 - 1, L - 4]"),
+    "chat_template": ("dspark", "NeMo's precompute_eagle3 has no --chat-template and the EAGLE-3 manifest does not "
+                                "record the template, so a cache made with an override could not be told apart; "
+                                "put the template into the tokenizer's own chat_template instead"),
+}
+
+
+def _refuse_other_kind_keys(recipe_args: Mapping[str, Any], cache_kind: Any, source: str) -> None:
+    for key in recipe_args:
+        kind, reason = KIND_ONLY_KEYS.get(key, (cache_kind, ""))
+        if kind != cache_kind and cache_kind in CACHE_KINDS:
+            raise CaptureError(
+                f"{source}: `recipe_args.{key}` applies only to cache_kind: {kind}, and this run writes the "
+                f"{cache_kind} cache: {reason}. Remove the key, or set cache_kind: {kind}."
+            )
 
 
 # Keys NeMo's own recipes use for backends this project does not have: accepted with one
@@ -237,7 +297,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 def parse_config(raw: Mapping[str, Any], *, source: str, base_dir: Path) -> RunConfig:
     """Validate an already-loaded mapping (the YAML plus overrides) into a ``RunConfig``."""
-    _warn_or_refuse_unknown(raw, "", set(_SECTIONS) | {"engine", "deepspeed_config"}, source)
+    _warn_or_refuse_unknown(raw, "", set(_SECTIONS) | {"engine", "cache_kind", "deepspeed_config"}, source)
+    cache_kind = _check_type(raw.get("cache_kind", "dspark"), str, "cache_kind", source)
+    if isinstance(raw.get("recipe_args"), dict):
+        _refuse_other_kind_keys(raw["recipe_args"], cache_kind, source)
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         value = raw.get(name)
@@ -252,6 +315,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str, base_dir: Path) -> RunC
         return RunConfig(
             **sections,
             engine=_check_type(engine, str, "engine", source),
+            cache_kind=cache_kind,
             deepspeed_config=ds_config,
             source=source,
             deepspeed_config_source=ds_source,

@@ -1,21 +1,21 @@
-"""Data stage: a chat dataset on disk -> validated conversations -> tokenized rows with loss masks.
+"""Data stage: validated conversations -> tokenized rows with NeMo AutoModel 0.7.0's loss masks.
 
-In:  a dataset path (JSONL / JSON list / parquet / a ``datasets`` directory), a split expression and
-     a shuffle seed; then a tokenizer, the effective chat template, ``seq_length`` and the two mask flags.
-Out: ``read_conversations`` -> ``list[list[Message]]`` (OpenAI-format messages, every row validated);
-     ``tokenize_conversations`` -> ``TokenizedRows`` (input_ids / loss_mask [N, S], num_tokens [N]).
+In:  :class:`~ds_capture.messages.Conversation` rows (``ds_capture.reading.open_dataset`` reads and validates
+     them; ``read_conversations`` is re-exported here), a tokenizer, the effective chat template,
+     ``seq_length`` and the two mask flags.
+Out: ``tokenize_conversations`` -> ``TokenizedRows`` (input_ids / loss_mask [N, S], num_tokens [N]), or a
+     ``CaptureError`` naming the row for what NeMo refuses (no assistant turn without markers, a template
+     that rewrites earlier turns, a template that raises on the row).
 
 The tokenization reproduces NeMo AutoModel 0.7.0's ``ChatDataset(unshifted=True, padding="max_length",
-truncation=True)`` exactly (DESIGN §4), checked against the reference caches in the shared fixtures:
+truncation=True)`` exactly (DESIGN §4), checked against NeMo's own caches and recordings in tests/fixtures:
 
-- render with ``apply_chat_template`` (no extra special tokens), right-truncate to S, right-pad to S;
+- render with ``apply_chat_template`` (the row's ``tools`` passed along), right-truncate to S, right-pad to S;
 - loss_mask from ``{% generation %}`` markers when the template has them (tokens overlapping a marked
   character span), otherwise each assistant message spans ``len(render(m[:i]))..len(render(m[:i+1]))``;
 - ``mask_generation_prompt`` clears, per assistant turn, the block that ``add_generation_prompt=True``
   appends to the rendered prefix (when the turn opens with that whole block);
 - ``mask_reasoning_content`` clears the tokens that change when that turn's reasoning is emptied.
-
-Message = ``{"role": system|user|assistant|tool, "content": str, "reasoning_content"?: str, ...}``.
 """
 
 from __future__ import annotations
@@ -31,264 +31,10 @@ from typing import Any
 import torch
 
 from ds_capture.errors import CaptureError
+from ds_capture.messages import Conversation, Message, normalize_row  # noqa: F401 - re-exported
+from ds_capture.reading import ChatRows, open_dataset, read_conversations  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, Any]
-
-ROLES = ("system", "user", "assistant", "tool")
-# ShareGPT ``from`` -> OpenAI role; NeMo's plain-chat map plus ``tool``.
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "model": "assistant",
-    "bot": "assistant",
-    "tool": "tool",
-}
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-# NeMo shuffles the base split and then slices only for this exact form; any other expression
-# (percentages, negative bounds, "a+b") goes to `datasets` first and is shuffled afterwards.
-_NEMO_SLICE_RE = re.compile(r"^(\w+)\[(\d*):(\d*)\]$")
-_FORMATS_HINT = (
-    "Use a .jsonl/.ndjson file (one row per line), a .json file (a list of rows), a .parquet file, "
-    "or a directory written by datasets' save_to_disk / holding parquet files."
-)
-
-
-# ----------------------------------------------------------------------------- reading
-
-
-def read_conversations(path: str, *, split: str | None, shuffle_seed: int) -> list[list[Message]]:
-    """Read and validate every selected row of a chat dataset, in the order the cache will hold them.
-
-    Local JSON/JSONL keep file order (a split expression such as ``train[:100]`` or ``train[:10%]``
-    still slices it; the file is the split ``train``). Hugging Face datasets (parquet, save_to_disk
-    directories) are shuffled with ``shuffle_seed`` and then sliced, as NeMo does.
-    """
-    source = Path(path)
-    if not source.exists():
-        raise CaptureError(
-            f"{path}: dataset not found. Point train_data_path at an existing file or directory. {_FORMATS_HINT}"
-        )
-    if source.is_file() and source.suffix.lower() in (*JSONL_SUFFIXES, ".json"):
-        rows = _read_json_rows(source)
-        selected = _select_local(rows, path, split)
-        where = "line" if source.suffix.lower() in JSONL_SUFFIXES else "row"
-    elif source.is_dir() or source.suffix.lower() == ".parquet":
-        selected = _select_hf(_load_hf_splits(source), path, split, shuffle_seed)
-        where = "row"
-    else:
-        raise CaptureError(f"{path}: unsupported dataset file type '{source.suffix}'. {_FORMATS_HINT}")
-    if not selected:
-        chosen = f" after applying split {split!r}" if split else ""
-        raise CaptureError(
-            f"{path}: the dataset has no rows{chosen}. Add rows to the dataset or widen the split."
-        )
-    return [normalize_row(row, f"{path} {where} {number}") for number, row in selected]
-
-
-def _read_json_rows(source: Path) -> list[tuple[int, Any]]:
-    """(1-based line or row number, parsed row) for a JSONL file or a JSON list; blank lines skipped."""
-    text = source.read_text(encoding="utf-8")
-    if source.suffix.lower() == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CaptureError(
-                f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}). "
-                "A .json dataset must be one JSON list of rows; fix the file or convert it to JSONL."
-            ) from None
-        if not isinstance(rows, list):
-            raise CaptureError(
-                f"{source}: a .json dataset must be a JSON list of rows, got a JSON {type(rows).__name__}. "
-                "Wrap the rows in a list, or write one row per line as .jsonl."
-            )
-        return list(enumerate(rows, start=1))
-    parsed = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            parsed.append((number, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise CaptureError(
-                f"{source} line {number}: not valid JSON ({exc.msg} at column {exc.colno}). "
-                "Each line of a JSONL file must be one JSON object; fix or delete this line."
-            ) from None
-    return parsed
-
-
-def _absolute_ranges(split: str, split_sizes: dict[str, int], path: str) -> list[tuple[str, int, int]]:
-    """Resolve a `datasets` split expression to (split name, start, stop) ranges."""
-    import datasets
-
-    try:
-        instructions = datasets.ReadInstruction.from_spec(split).to_absolute(split_sizes)
-    except (ValueError, AssertionError, KeyError) as exc:
-        raise CaptureError(
-            f"{path}: cannot apply split {split!r} ({exc}). Available splits: {sorted(split_sizes)}; "
-            "use a split expression such as 'train', 'train[:100]', 'train[10:20]' or 'train[:10%]'."
-        ) from None
-    return [(i.splitname, i.from_, i.to) for i in instructions]
-
-
-def _select_local(rows: list[tuple[int, Any]], path: str, split: str | None) -> list[tuple[int, Any]]:
-    """Slice a local file's rows by a split expression, keeping file order (no shuffle)."""
-    if split is None:
-        return rows
-    selected = []
-    for _, start, stop in _absolute_ranges(split, {"train": len(rows)}, path):
-        selected.extend(rows[start:stop])
-    return selected
-
-
-def _load_hf_splits(source: Path) -> dict[str, Any]:
-    """Every split of a parquet file or a dataset directory, as `datasets.Dataset` objects."""
-    import datasets
-
-    try:
-        if source.is_dir() and ((source / "state.json").exists() or (source / "dataset_dict.json").exists()):
-            loaded = datasets.load_from_disk(str(source))
-        elif source.is_dir():
-            loaded = datasets.load_dataset(str(source))
-        else:
-            loaded = datasets.load_dataset("parquet", data_files={"train": str(source)})
-    except Exception as exc:  # `datasets` raises many types for unreadable input; all are user errors here
-        raise CaptureError(f"{source}: cannot load the dataset with `datasets` ({exc}). {_FORMATS_HINT}") from None
-    if isinstance(loaded, datasets.Dataset):
-        return {"train": loaded}
-    return dict(loaded)
-
-
-def _select_hf(splits: dict[str, Any], path: str, split: str | None, shuffle_seed: int) -> list[tuple[int, Any]]:
-    """NeMo's order for HF data: `base[a:b]` -> shuffle the base split, then slice; any other
-    expression -> `datasets` selects first, then the selection is shuffled. Returns (row number, row)."""
-    sizes = {name: len(ds) for name, ds in splits.items()}
-    match = _NEMO_SLICE_RE.match(split) if split is not None else None
-    base = match.group(1) if match else None
-    if match and base in splits:
-        order = _shuffled(range(sizes[base]), shuffle_seed)
-        start, stop = (int(g) if g else None for g in match.group(2, 3))
-        picks = [(base, i) for i in order[start:stop]]
-    else:
-        ranges = _absolute_ranges(split or "train", sizes, path)
-        picks = [(name, i) for name, start, stop in ranges for i in range(start, stop)]
-        picks = [picks[i] for i in _shuffled(range(len(picks)), shuffle_seed)]
-    # One `select` per split: row-by-row indexing of an Arrow table is slow for large datasets.
-    wanted: dict[str, list[int]] = {}
-    for name, index in picks:
-        wanted.setdefault(name, []).append(index)
-    records = {
-        name: dict(zip(indices, splits[name].select(indices).to_list())) for name, indices in wanted.items()
-    }
-    return [(index + 1, records[name][index]) for name, index in picks]
-
-
-def _shuffled(indices: range, shuffle_seed: int) -> list[int]:
-    """The permutation `Dataset.shuffle(seed=shuffle_seed)` applies to a dataset of this length."""
-    import datasets
-
-    return datasets.Dataset.from_dict({"i": list(indices)}).shuffle(seed=shuffle_seed)["i"]
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def normalize_row(row: Any, where: str) -> list[Message]:
-    """Validate one dataset row and return its OpenAI-format messages; `where` is "<file> line|row N"."""
-    if not isinstance(row, dict):
-        raise CaptureError(
-            f"{where}: expected a JSON object with a `messages` list, got {type(row).__name__}. "
-            "Each row must be an object such as {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}]}."
-        )
-    if row.get("messages") is not None:
-        turns, sharegpt = row["messages"], False
-    elif row.get("conversations") is not None:
-        turns, sharegpt = row["conversations"], True
-    else:
-        raise CaptureError(
-            f"{where}: row has neither a `messages` list (OpenAI format) nor a `conversations` list "
-            "(ShareGPT format). Add one of them, or remove the row."
-        )
-    key = "conversations" if sharegpt else "messages"
-    if not isinstance(turns, list):
-        raise CaptureError(f"{where}: `{key}` must be a list of messages, got {type(turns).__name__}.")
-    if not turns:
-        raise CaptureError(
-            f"{where}: `{key}` is empty. Every row needs at least one message; fill it in or remove the row."
-        )
-    messages = [_normalize_message(turn, sharegpt, f"{where}: message {j}") for j, turn in enumerate(turns, 1)]
-    for j, message in enumerate(messages[1:], start=2):
-        if message["role"] != "system":
-            continue
-        if messages[0]["role"] == "system":
-            raise CaptureError(
-                f"{where}: message {j} is a second system message. A conversation may have one system "
-                "message, as its first message; merge the system messages into one."
-            )
-        raise CaptureError(
-            f"{where}: message {j} is a system message after other messages. The system message must be "
-            "the first message; move it to the front."
-        )
-    return messages
-
-
-def _normalize_message(turn: Any, sharegpt: bool, where: str) -> Message:
-    """One message -> {"role", "content": str, ...}; None-valued keys dropped, as transformers does."""
-    if not isinstance(turn, dict):
-        raise CaptureError(
-            f"{where} must be an object with `role` and `content`, got {type(turn).__name__}."
-        )
-    if sharegpt:
-        raw_role = turn.get("from", turn.get("role"))
-        role = SHAREGPT_ROLES.get(raw_role) if isinstance(raw_role, str) else None
-        content = turn.get("value", turn.get("content"))
-        extra = {k: v for k, v in turn.items() if k not in ("from", "role", "value", "content")}
-        valid = ", ".join(sorted(SHAREGPT_ROLES))
-    else:
-        raw_role = turn.get("role")
-        role = raw_role if raw_role in ROLES else None
-        content = turn.get("content")
-        extra = {k: v for k, v in turn.items() if k not in ("role", "content")}
-        valid = ", ".join(ROLES)
-    if role is None:
-        raise CaptureError(f"{where} has unknown role {raw_role!r}. Valid roles: {valid}.")
-    message = {"role": role, "content": _content_text(content, f"{where} ({role})")}
-    message.update({k: v for k, v in extra.items() if v is not None})
-    if role == "assistant" and "reasoning_content" in message:
-        if not isinstance(message["reasoning_content"], str):
-            raise CaptureError(
-                f"{where} (assistant) has reasoning_content of type "
-                f"{type(message['reasoning_content']).__name__}; it must be a string. Convert it to text."
-            )
-    elif role == "assistant" and "reasoning_content" in turn:
-        message["reasoning_content"] = ""  # NeMo renders a null reasoning_content as empty
-    return message
-
-
-def _content_text(content: Any, where: str) -> str:
-    """A string as is; a list of {"type": "text", "text": ...} parts joined with spaces."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content, start=1):
-            if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
-                raise CaptureError(
-                    f"{where}: content part {k} is not a text part. Content lists may hold only "
-                    "{\"type\": \"text\", \"text\": ...} parts; drop the other parts."
-                )
-            texts.append(part["text"])
-        return " ".join(texts)
-    raise CaptureError(
-        f"{where} has content of type {type(content).__name__}; content must be a string or a list of "
-        "{\"type\": \"text\", \"text\": ...} parts. Convert it to text."
-    )
-
 
 # ----------------------------------------------------------------------------- chat template
 
@@ -356,7 +102,7 @@ class TokenizedRows:
 
 
 def tokenize_conversations(
-    conversations: list[list[Message]],
+    conversations: list[Conversation] | list[list[Message]],
     tokenizer,
     *,
     chat_template: str,
@@ -367,6 +113,18 @@ def tokenize_conversations(
     """Render, tokenize, right-truncate and right-pad every conversation, with NeMo's loss masks."""
     renderer = _Renderer(tokenizer, chat_template)
     has_markers = _GENERATION_RE.search(chat_template) is not None
+    conversations = [
+        c if isinstance(c, Conversation) else Conversation(c, None, f"conversation {n + 1}")
+        for n, c in enumerate(conversations)
+    ]
+    if not has_markers:
+        for messages in conversations:
+            if not _assistant_turns(messages):
+                raise CaptureError(
+                    f"{messages.where}: the conversation has no assistant message, and the chat template has no "
+                    "{% generation %} markers, so NeMo AutoModel refuses to build its answer-only loss mask. "
+                    "Remove the row, or use a template with {% generation %}...{% endgeneration %} markers."
+                )
     if "reasoning_content" not in chat_template and any(_reasoning_turns(c) for c in conversations):
         logger.warning("Rows carry reasoning_content but the chat template never renders it.")
     ids_rows: list[list[int]] = []
@@ -381,16 +139,18 @@ def tokenize_conversations(
         for row, messages in enumerate(chunk):
             if not has_markers:
                 for k in _prefix_bounds(messages):
-                    renders.want(("prefix", row, k), messages[:k])
+                    renders.want(("prefix", row, k), messages.with_messages(messages[:k]))
             if mask_generation_prompt:
                 for i in _assistant_turns(messages, skip_leading=True):
-                    renders.want(("prefix", row, i), messages[:i])
+                    prefix = messages.with_messages(messages[:i])
+                    renders.want(("prefix", row, i), prefix)
                     for mode in renderer.prompt_modes:
-                        renders.want(("prompt", row, i, *mode.items()), messages[:i], add_generation_prompt=True, **mode)
+                        renders.want(("prompt", row, i, *mode.items()), prefix, add_generation_prompt=True, **mode)
             if mask_reasoning_content:
                 for i in _reasoning_turns(messages):
                     emptied = {**messages[i], "reasoning_content": ""}
-                    renders.want(("reasoning", row, i), messages[:i] + [emptied] + messages[i + 1 :])
+                    edited = messages.with_messages(messages[:i] + [emptied] + messages[i + 1 :])
+                    renders.want(("reasoning", row, i), edited)
         renders.run()
         for row, messages in enumerate(chunk):
             ids = full_ids[row]
@@ -398,7 +158,7 @@ def tokenize_conversations(
             if has_markers:
                 mask = marker_masks[row][:kept]
             else:
-                mask = _prefix_span_mask(renders, renderer, row, messages, ids, seq_length, first + row)
+                mask = _prefix_span_mask(renders, renderer, row, messages, ids, seq_length)
             cleared = []
             if mask_generation_prompt:
                 cleared += _generation_prompt_spans(renders, renderer, row, messages, ids, seq_length)
@@ -436,12 +196,35 @@ class _Renderer:
             [{"enable_thinking": True}, {"enable_thinking": False}] if "enable_thinking" in chat_template else [{}]
         )
 
-    def render(self, conversations: list[list[Message]], *, assistant_mask: bool = False, **template_kwargs):
-        """(ids per conversation, assistant masks per conversation or None)."""
+    def render(self, conversations: list[Conversation], *, assistant_mask: bool = False, **template_kwargs):
+        """(ids per conversation, assistant masks per conversation or None); one batched call per `tools`."""
         if not conversations:
             return [], None
+        groups: dict[str, list[int]] = {}
+        for n, conversation in enumerate(conversations):
+            groups.setdefault(_tools_key(conversation.tools), []).append(n)
+        ids: list = [None] * len(conversations)
+        masks: list | None = [None] * len(conversations) if assistant_mask else None
+        for members in groups.values():
+            batch = [conversations[n] for n in members]
+            try:
+                got_ids, got_masks = self._apply(batch, batch[0].tools, assistant_mask, template_kwargs)
+            except Exception:  # noqa: BLE001 - find the row at fault (and NeMo's system-role retry) one by one
+                got_ids, got_masks = [], []
+                for conversation in batch:
+                    one_ids, one_masks = self._render_one(conversation, assistant_mask, template_kwargs)
+                    got_ids += one_ids
+                    got_masks += one_masks or []
+            for k, n in enumerate(members):
+                ids[n] = got_ids[k]
+                if masks is not None:
+                    masks[n] = got_masks[k]
+        return ids, masks
+
+    def _apply(self, batch: list[Conversation], tools, assistant_mask: bool, template_kwargs: dict):
         out = self.tokenizer.apply_chat_template(
-            conversations,
+            [list(conversation) for conversation in batch],
+            tools=tools,
             chat_template=self.chat_template,
             tokenize=True,
             return_dict=True,
@@ -450,7 +233,25 @@ class _Renderer:
             truncation=False,
             **template_kwargs,
         )
-        return [list(ids) for ids in out["input_ids"]], (out["assistant_masks"] if assistant_mask else None)
+        return [list(ids) for ids in out["input_ids"]], (list(out["assistant_masks"]) if assistant_mask else None)
+
+    def _render_one(self, conversation: Conversation, assistant_mask: bool, template_kwargs: dict):
+        """One conversation; a template that raises "System role not supported" gets NeMo's remapped
+        conversation (the system text merged into the first user message); any other failure is the row's."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._apply([conversation], conversation.tools, assistant_mask, template_kwargs)
+        except TemplateError as error:
+            if "System role not supported" in str(error) and any(m["role"] == "system" for m in conversation):
+                remapped = conversation.with_messages(_merge_system_into_user(conversation))
+                try:
+                    return self._apply([remapped], conversation.tools, assistant_mask, template_kwargs)
+                except Exception as again:  # noqa: BLE001
+                    error = again
+            raise _template_error(conversation, error) from None
+        except Exception as error:  # noqa: BLE001 - Jinja TypeErrors / UndefinedErrors come from the row's data
+            raise _template_error(conversation, error) from None
 
     def is_prefix(self, prefix: list[int], reference: list[int]) -> bool:
         """NeMo's check: `prefix` starts `reference`, allowing a trailing EOS the next turn replaces."""
@@ -466,15 +267,45 @@ class _Renderer:
         )
 
 
+def _tools_key(tools) -> str:
+    return "" if not tools else json.dumps(tools, default=repr)
+
+
+def _merge_system_into_user(conversation: Conversation) -> list[Message]:
+    """NeMo's `_remap_system_role`: the system text joins the first user message ("<system>\\n<user>")."""
+    system = next(m for m in conversation if m["role"] == "system")
+    out, merged = [], False
+    for message in conversation:
+        if message["role"] == "system":
+            continue
+        if not merged and message["role"] == "user":
+            out.append({**message, "content": f"{system.get('content', '')}\n{message['content']}"})
+            merged = True
+        else:
+            out.append(message)
+    if not merged:
+        out.insert(0, {"role": "user", "content": system.get("content", "")})
+    return out
+
+
+def _template_error(conversation: Conversation, error: Exception) -> CaptureError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CaptureError(
+        f"{conversation.where}: the chat template failed to render this conversation "
+        f"({type(error).__name__}: {reason[:300]}). The template refuses this row's shape, or meets a field it "
+        "cannot handle; fix or remove the row, or set recipe_args.chat_template to a template that accepts it."
+    )
+
+
 class _BatchedRenders:
     """Collects the renders a chunk needs (keyed, deduplicated), then runs one batch per template kwargs."""
 
     def __init__(self, renderer: _Renderer):
         self.renderer = renderer
-        self.pending: dict[tuple, dict[tuple, list[Message]]] = {}
+        self.pending: dict[tuple, dict[tuple, Conversation]] = {}
         self.done: dict[tuple, list[int]] = {}
 
-    def want(self, key: tuple, messages: list[Message], **template_kwargs) -> None:
+    def want(self, key: tuple, messages: Conversation, **template_kwargs) -> None:
         self.pending.setdefault(tuple(sorted(template_kwargs.items())), {}).setdefault(key, messages)
 
     def run(self) -> None:
@@ -507,7 +338,7 @@ def _clip(ids: list[int], full_len: int, seq_length: int) -> list[int]:
     return ids if full_len >= seq_length else ids[:seq_length]
 
 
-def _prefix_span_mask(renders, renderer, row, messages, ids, seq_length, number) -> list[int]:
+def _prefix_span_mask(renders, renderer, row, messages, ids, seq_length) -> list[int]:
     """Marker-free loss mask: assistant message i covers len(render(m[:i]))..len(render(m[:i+1])).
 
     Lengths are of renders truncated to S, each checked to be a prefix of the truncated full render.
@@ -518,10 +349,12 @@ def _prefix_span_mask(renders, renderer, row, messages, ids, seq_length, number)
         prefix_ids = renders[("prefix", row, k)][:seq_length]
         if not renderer.is_prefix(prefix_ids, full):
             raise CaptureError(
-                f"conversation {number + 1}: rendering its first {k} message(s) alone does not reproduce the "
-                "start of the whole rendered conversation (the chat template rewrites earlier turns), so "
-                "assistant spans cannot be found from conversation prefixes. Use a chat template that wraps "
-                "assistant turns in {% generation %}...{% endgeneration %}."
+                f"{messages.where}: rendering its first {k} message(s) alone does not reproduce the start of the "
+                "whole rendered conversation: the chat template rewrites earlier turns from later ones (Qwen3's "
+                "stock template drops the <think> blocks of earlier turns), so NeMo AutoModel refuses to find "
+                "assistant spans from conversation prefixes. Set recipe_args.chat_template to a template that wraps "
+                "assistant turns in {% generation %}...{% endgeneration %}, or to one that renders every turn the "
+                "same whatever follows it."
             )
         lengths[k] = len(prefix_ids)
     mask = [0] * len(full)

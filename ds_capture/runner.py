@@ -15,33 +15,28 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from ds_capture import __version__
-from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
-from ds_capture.cache.writer import (
-    check_output_dir,
-    prepare_output_dir,
-    write_atomic,
-    write_manifest,
-    write_target_weights,
-)
-from ds_capture.capture import capture_hidden_states, resolve_layer_ids
+from ds_capture.cache_kind import CacheKind
+from ds_capture.cache.writer import write_atomic
+from ds_capture.capture import capture_hidden_states
 from ds_capture.config import RunConfig
 from ds_capture.data import (
-    chat_template_sha256,
+    open_dataset,
     pad_token_id,
-    read_conversations,
     resolve_chat_template,
     tokenize_conversations,
 )
+from ds_capture.inputs import check_checkpoint_files, check_token_ids, load_tokenizer, require_tokens
 from ds_capture.demo import resolve_special_path
+from ds_capture.dspark import DSparkKind
 from ds_capture.dist import (
     agree_on_error,
     all_reduce_max_int,
@@ -54,7 +49,7 @@ from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
 from ds_capture.progress import Progress, collective_device
-from ds_capture.safety import FailFast, OutputLock, input_fingerprints
+from ds_capture.safety import FailFast, OutputLock
 from ds_capture.sizing import refuse_if_not_fitting
 
 _LOG = logging.getLogger("ds_capture")
@@ -76,6 +71,17 @@ class RunSummary:
     """Time in the forward/write loop (``seconds`` also counts data preparation and model loading)."""
     published: bool = True
     """False when the directory already held this complete cache and nothing was (re)written."""
+    logical_bytes: int = 0
+    """Size of the shards written (``st_size``): what a reader sees."""
+    disk_bytes: int = 0
+    """Their blocks on disk (``st_blocks * 512``): below ``logical_bytes`` where padding tails are holes."""
+    writer_busy_seconds: float = 0.0
+    """This rank's writer time spent writing (the rest of the loop it waited for work)."""
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the shards' logical bytes that were never written (padding left as holes)."""
+        return 1 - self.bytes_written / self.logical_bytes if self.logical_bytes else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,7 +96,9 @@ class RunSummary:
         return (
             f"captured {self.num_samples} samples into {self.output_dir}: {self.shards_written} shards written, "
             f"{self.shards_skipped} already done; {self.num_tokens:,} tokens at {self.tokens_per_s:,.0f} tokens/s; "
-            f"{self.bytes_written / 2**20:,.1f} MiB written; {self.seconds:.1f} s in all"
+            f"{self.bytes_written / 2**20:,.1f} MiB written of {self.logical_bytes / 2**20:,.1f} MiB logical "
+            f"({self.padding_fraction:.0%} padding not written), {self.disk_bytes / 2**20:,.1f} MiB on disk; "
+            f"{self.seconds:.1f} s in all"
         )
 
 
@@ -99,11 +107,15 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     args = cfg.recipe_args
     env = discover_env()
     target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
-    layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
-                                  source=cfg.source)
+    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
+    if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
+        _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
+                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
+    layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
+    target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
     plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)
@@ -115,6 +127,15 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
         with FailFast(plan.rank), _peer_failures():
             return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
+
+
+def select_cache_kind(cfg: RunConfig) -> CacheKind:
+    """The one place the cache kind is chosen (``cache_kind``)."""
+    if cfg.cache_kind == "eagle3":
+        from ds_capture.eagle3 import Eagle3Kind  # imports this module: chosen lazily
+
+        return Eagle3Kind(cfg)
+    return DSparkKind(cfg)
 
 
 def resolve_compute_dtype(name: str) -> torch.dtype:
@@ -137,26 +158,53 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
+    kind = select_cache_kind(cfg)
     try:
-        # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
-        # the rows of its own DP range. Any failure here ends every rank with the first message.
-        error, prepared = None, None
-        try:
-            prepared = _prepare(cfg, target, layer_ids, plan, out_dir, lock, restart=restart)
-        except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
-            error = caught
-        agree_on_error(error)
-        return _capture(cfg, target, layer_ids, plan, prepared, started=started, show_progress=show_progress)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_capture-load") as pool:
+            # One process: the model loads while the data is read and tokenised (no collective in either,
+            # and both release the GIL for much of their time). Nothing is written until both are done
+            # and every row is valid; a refusal still writes nothing (it is raised once the load returns).
+            model = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
+            # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
+            # the rows of its own DP range. Any failure here ends every rank with the first message.
+            error, prepared = None, None
+            try:
+                prepared = _prepare(cfg, kind, target, layer_ids, plan)
+            except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
+                error = caught
+            agree_on_error(error)
+            require_tokens(all_reduce_max_int(prepared.max_tokens), cfg.recipe_args.train_data_path)
+            # Only once every rank's rows tokenised does rank 0 touch the output directory.
+            error = None
+            if plan.is_manifest_writer:
+                try:
+                    _prepare_output_dir(kind, target, prepared, out_dir, lock, restart=restart)
+                except Exception as caught:  # noqa: BLE001
+                    error = caught
+            agree_on_error(error)
+            # The kind's collective preparation (EAGLE-3: the draft vocabulary over all DP ranks), then
+            # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
+            try:
+                kind.publish(prepared, target, plan, out_dir, restart=restart)
+            except Exception as caught:  # noqa: BLE001 - as above
+                error = caught
+            agree_on_error(error)
+            return _capture(kind, cfg, target, layer_ids, plan, prepared, model, started=started,
+                            show_progress=show_progress)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, prepared: "_Prepared", *,
-             started: float, show_progress: bool) -> RunSummary:
+def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelPlan, groups) -> torch.nn.Module:
+    return build_model(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+                       attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config,
+                       expert_storage=cfg.capture.expert_storage)
+
+
+def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+             prepared: "_Prepared", loading: Future | None, *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
-    dtype = DTYPES[args.cache_dtype]
-    compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
     done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
@@ -167,11 +215,14 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False)
 
-    groups = new_groups(plan) if plan.world_size > 1 else None
-    model = build_model(cfg.engine, target, plan, groups, dtype=compute_dtype,
-                        attn_implementation=args.target_attn_implementation, ds_config=cfg.deepspeed_config)
+    if loading is not None:
+        model = loading.result()
+    else:
+        model = _build_model(cfg, target, plan, new_groups(plan) if plan.world_size > 1 else None)
 
     device = next(model.parameters()).device
+    kind.start(target, device=device, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+               manifest=manifest, writes=plan.is_writer)
     options = cfg.capture
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
@@ -184,27 +235,27 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
                         is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
-    batches_per_shard = -(-manifest.shard_size // args.micro_batch_size)
     nonfinite: list[int] = []
-    writer = AsyncShardWriter(out_dir, manifest, queue_shards=options.writer_queue_shards,
-                              batches_per_shard=batches_per_shard, synchronous=options.writer_queue_shards == 0)
+    writer = kind.open_writer(out_dir, manifest, micro_batch_size=args.micro_batch_size,
+                              buffer_mib=options.writer_buffer_mib, device=device)
     with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
-            model, target.family, layer_ids, target.num_hidden_layers) as hooks:
+            model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
             input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             hooks.reset()
-            # logits_to_keep=1: the cache needs no logits; [B, S, vocab] would dwarf the hidden states.
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
+            # distribution in chunks from the final hidden state, checked against these last logits).
+            output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
-            hidden, last = hooks.collect(dtype)
-            _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)
-            if plan.is_writer:
-                writer.put(MicroBatch(shard_index=batch.shard_index, rows=batch.rows, input_ids=batch.input_ids,
-                                      loss_mask=batch.loss_mask, num_tokens=batch.num_tokens, hidden=hidden, last=last))
+            item = kind.micro_batch(batch, hooks, output, writes=plan.is_writer, check_finite=lambda hidden, last: (
+                _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
+            if item is not None:
+                writer.put(item)
+            del item
             progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
@@ -215,66 +266,52 @@ def _capture(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Par
     agree_on_error(None)
     if plan.is_manifest_writer:
         with _output_errors(out_dir):
-            write_manifest(out_dir, manifest.with_complete(True))
-    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written])
+            kind.finish(out_dir, manifest)
+    totals = _sum_over_ranks([writer.shards_written, writer.bytes_written, writer.logical_bytes, writer.disk_bytes])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
-        capture_seconds=time.perf_counter() - loop_started,
+        capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
+        writer_busy_seconds=writer.busy_seconds,
     )
 
 
-def _prepare(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, out_dir: Path,
-             lock: OutputLock | None, *, restart: bool) -> "_Prepared":
-    """Data, manifest and (rank 0) the output directory: everything that can refuse, before any weight loads."""
-    from transformers import AutoTokenizer
-
+def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: list[int],
+             plan: ParallelPlan) -> "_Prepared":
+    """Data and manifest: every row validated (streaming, on every rank) and this rank's range tokenised,
+    before anything is written or any weight loads."""
     args = cfg.recipe_args
-    tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
+    check_checkpoint_files(target)
+    tokenizer = load_tokenizer(target, trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
     data_path = Path(resolve_special_path(args.train_data_path))
-    conversations = read_conversations(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
-    manifest = Manifest(
-        target_model=args.target_model_name_or_path,
-        target_model_type=target.model_type,
-        target_vocab_size=target.vocab_size,
-        hidden_size=target.hidden_size,
-        num_hidden_layers=target.num_hidden_layers,
-        seq_length=args.seq_length,
-        dtype=args.cache_dtype,
-        num_samples=len(conversations),
-        shard_size=args.cache_shard_size,
-        target_hidden_dim=target.hidden_size * len(layer_ids),
-        target_last_hidden_dim=target.hidden_size,
-        target_layer_ids=tuple(layer_ids),
-        train_data_path=args.train_data_path,
-        train_split=args.train_split,
-        shuffle_seed=args.shuffle_seed,
-        mask_reasoning_content=args.mask_reasoning_content,
-        mask_generation_prompt=args.mask_generation_prompt,
-        chat_template_sha256=chat_template_sha256(template),
-        bookkeeping={"producer": {"name": "ds_capture", "version": __version__, "engine": cfg.engine,
-                                  "world_size": plan.world_size, "dp_size": plan.dp_size, "tp_size": plan.tp_size,
-                                  "ep_size": plan.ep_size}},
-    )
+    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
+    manifest = kind.build_manifest(cfg, target, layer_ids, tokenizer=tokenizer, chat_template=template,
+                                   num_samples=len(dataset), plan=plan)
     samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
+    conversations = dataset.conversations(samples.start, samples.stop)
     rows = tokenize_conversations(
-        conversations[samples.start:samples.stop], tokenizer, chat_template=template, seq_length=args.seq_length,
+        conversations, tokenizer, chat_template=template, seq_length=args.seq_length,
         mask_reasoning_content=args.mask_reasoning_content, mask_generation_prompt=args.mask_generation_prompt,
     )
+    check_token_ids(rows.input_ids, rows.num_tokens, [c.where for c in conversations], target.vocab_size, target.path)
+    del conversations
     rows_by_shard = {}
     for index in plan.shard_range(manifest.num_shards):
         lo = index * manifest.shard_size - samples.start
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
-    prepared = _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer))
-    if plan.is_manifest_writer:
-        try:
-            _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=args.cache_dtype, restart=restart)
-        except OSError as error:
-            raise output_error(out_dir, error) from error
-    return prepared
+    return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
+                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0)
+
+
+def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
+                        lock: OutputLock, *, restart: bool) -> None:
+    try:
+        kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart)
+    except OSError as error:
+        raise output_error(out_dir, error) from error
 
 
 def output_error(out_dir: Path, error: OSError) -> CaptureError:
@@ -295,62 +332,10 @@ class _Prepared:
     manifest: Manifest
     rows_by_shard: dict
     pad_id: int
+    data_path: Path | None = None
+    max_tokens: int = 0
     done: set = field(default_factory=set)
     already_complete: bool = False
-
-
-def _prepare_output(prepared: _Prepared, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
-                    cache_dtype: str, restart: bool) -> None:
-    """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards,
-    and (unless complete) write the target weights and the manifest with complete=false."""
-    fingerprints = input_fingerprints(data_path, target.path)
-    manifest = prepared.manifest = replace(
-        prepared.manifest, bookkeeping={**prepared.manifest.bookkeeping, "inputs": fingerprints})
-    existing = check_output_dir(out_dir, manifest)
-    if existing is not None and not restart:
-        _refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
-    lock.acquire()
-    prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
-    prepared.already_complete = (len(prepared.done) == manifest.num_shards and existing is not None
-                                 and existing.complete and not restart)
-    if not prepared.already_complete:
-        # Write order (DESIGN §3): target weights, manifest with complete=false, shards, complete=true.
-        embed, lm_head = read_target_weights(target)
-        write_target_weights(out_dir, embed, lm_head, cache_dtype)
-        write_manifest(out_dir, manifest)
-
-
-def _refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
-    changed = [name for name, value in current.items() if name in recorded and recorded[name] != value]
-    if changed:
-        what = {"train_data_sha256": "the dataset's content", "tokenizer_sha256": "the tokenizer files"}
-        raise CaptureError(
-            f"{out_dir} was started from different inputs under the same paths: "
-            + " and ".join(what.get(name, name) for name in changed)
-            + " changed since (sha256 differs). Mixing them would corrupt the cache silently. Use a new "
-            "cache_output_dir, or pass --restart to recompute every shard from the current inputs."
-        )
-
-
-def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full embedding and lm_head straight from the checkpoint files (no engine gathers needed)."""
-    from safetensors import safe_open
-
-    family = target.family
-    keys = [family.embed_weight_key] + ([] if target.tie_word_embeddings else [family.lm_head_weight_key])
-    index_path = target.path / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    else:
-        weight_map = {key: "model.safetensors" for key in keys}
-    tensors = {}
-    for key in keys:
-        if key not in weight_map:
-            raise CaptureError(f"{target.path}: the checkpoint has no tensor {key!r} (needed for target_weights).")
-        with safe_open(str(target.path / weight_map[key]), framework="pt") as handle:
-            tensors[key] = handle.get_tensor(key).clone()
-    embed = tensors[family.embed_weight_key]
-    return embed, tensors.get(family.lm_head_weight_key, embed)
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ def target_quantization(target: TargetInfo) -> dict | None:
 
 
 def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
-    return read_target_info(path, trust_remote_code=trust_remote_code, refuse_quantized=False)
+    return read_target_info(path, trust_remote_code=trust_remote_code)
 
 
 def _configured_storage(cfg: RunConfig, target: TargetInfo) -> mm.ExpertStorage:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up the project environment (once) and run the demo or the tests. Needs only python3.
 
-    python3 scripts/dev.py demo          # build the demo target, capture, verify the cache
+    python3 scripts/dev.py demo          # build the demo target, capture, verify the cache (one process)
     python3 scripts/dev.py test [ARGS]   # the test suite CI runs (ARGS go to pytest)
     python3 scripts/dev.py test --full   # every cell of the slow equality matrices too (DS_CAPTURE_FULL=1)
 
@@ -72,8 +72,11 @@ def main(argv: list[str]) -> int:
     python = ensure_env()
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV / "torch_extensions"))
-    ensure_shm_op(python, env)
     command, rest = argv[0], argv[1:]
+    if command == "test":
+        # Only the multi-rank tests need it, but their timeouts must not pay for its first build. The demo runs
+        # one process, which never loads it; a multi-rank job builds it (once) when DeepSpeed first needs it.
+        ensure_shm_op(python, env)
     if command == "env":
         return 0
     if command == "test":

@@ -3,8 +3,8 @@
 - ``DS_CAPTURE_HOME`` points at a session temp dir (autouse), so no test writes to ``~/.cache``.
 - ``tiny_target(model_type, **overrides)`` builds a random-init checkpoint with
   ``ds_capture.demo.build_tiny_target`` once per session and argument set.
-- ``nemo_fixtures`` is ``../shared/fixtures/nemo_dspark_v1`` (NeMo AutoModel 0.7.0's own caches);
-  tests that use it are skipped where it is absent.
+- ``nemo_fixtures`` is ``tests/fixtures/nemo_dspark_v1`` (NeMo AutoModel 0.7.0's own caches, checked in;
+  ``tests/fixtures/README.md`` has the command that regenerates them).
 - ``write_recipe(recipe, name=...)`` writes a YAML recipe (a dict or text) into ``tmp_path``.
 - Tests marked ``slow`` (the cells of the long equality matrices beyond a representative cut) are
   deselected unless ``DS_CAPTURE_FULL=1`` (``python3 scripts/dev.py test --full`` sets it).
@@ -23,7 +23,8 @@ import yaml
 # Two CPU cores are shared by everything on this box: one intra-op thread per test process.
 torch.set_num_threads(1)
 
-NEMO_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "nemo_dspark_v1"
+# In the repository (tests/fixtures/README.md says how to regenerate them with NeMo AutoModel 0.7.0).
+NEMO_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nemo_dspark_v1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -69,9 +70,8 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def nemo_fixtures() -> Path:
-    """NeMo AutoModel 0.7.0's reference caches with their target and data; skip when absent."""
-    if not (NEMO_FIXTURES / "target").is_dir():
-        pytest.skip(f"NeMo reference fixtures not found at {NEMO_FIXTURES}")
+    """NeMo AutoModel 0.7.0's reference caches with their target and data (part of the repository)."""
+    assert (NEMO_FIXTURES / "target").is_dir(), f"NeMo reference fixtures missing from {NEMO_FIXTURES}"
     return NEMO_FIXTURES
 
 

@@ -182,7 +182,8 @@ def make_conversation(rng: random.Random, index: int) -> dict:
             fill = {"city": rng.choice(CITIES), "n": rng.randint(3, 40)}
             messages.append({"role": "user", "content": ask.format(**fill)})
             messages.append({"role": "assistant", "content": f"<tool_call>{name}({args.format(**fill)})</tool_call>"})
-            messages.append({"role": "tool", "content": result.format(**fill)})
+            # The call is in the assistant's text (Hermes style); NeMo requires the reply's tool_call_id.
+            messages.append({"role": "tool", "tool_call_id": "call_0", "content": result.format(**fill)})
             messages.append({"role": "assistant", "content": reply.format(**fill)})
             continue
         messages.append({"role": "user", "content": question})

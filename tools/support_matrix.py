@@ -24,7 +24,8 @@ from ds_capture.families import FAMILIES  # noqa: E402
 LAYOUTS = (("single", "single"), ("dp", "DP"), ("tp", "TP"), ("ep", "EP"), ("tp_x_ep", "TP x EP"),
            ("fsdp2", "FSDP2"))
 SHOWN = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
-         "minimax_m3_vl")
+         "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss", "glm5_next",
+         "llama4", "minimax_m3_vl", "deepseek_v41", "kimi_k3")
 
 
 def cell(model_type: str, layout: str, results: dict) -> str:
@@ -46,13 +47,14 @@ def cell(model_type: str, layout: str, results: dict) -> str:
 
 
 def notes(results: dict) -> list[str]:
-    """One line per family with a declared refusal: the reason the user sees."""
+    """One line per family with a declared refusal (the reason the user sees) or a caveat."""
     lines = []
     for model_type in SHOWN:
         family = FAMILIES[model_type]
         for what, reason in (("all layouts", family.refusal.format(model_type=model_type)),
                              ("TP", family.tp_refusal if not family.supports_tp else ""),
-                             ("EP", family.ep_refusal if not family.supports_ep else "")):
+                             ("EP", family.ep_refusal if not family.supports_ep else ""),
+                             ("caveat", family.caveat)):
             if reason:
                 lines.append(f"- `{model_type}` {what}: {reason}")
     return lines
@@ -63,7 +65,8 @@ def render(results: dict) -> str:
     rule = "|---" * (len(LAYOUTS) + 1) + "|"
     rows = [f"| `{m}` | " + " | ".join(cell(m, layout, results) for layout, _ in LAYOUTS) + " |" for m in SHOWN]
     legend = ("yes (d): the cache equals the single-process cache, max |a-b| / max(1, max|a|) = d (fp32, CPU/gloo); "
-              "DP, TP, EP: engine deepspeed; FSDP2: engine fsdp2 on 2 ranks; "
+              "DP, TP, EP: engine deepspeed (TP: AutoTP, or the family's own tp_plan where it has one: "
+              + ", ".join(f"`{m}`" for m in SHOWN if FAMILIES[m].tp_plan) + "); FSDP2: engine fsdp2 on 2 ranks; "
               "untested: allowed but not covered by tests/distributed/test_family_layouts.py yet.")
     return "\n".join([header, rule, *rows, "", legend, "", *notes(results)])
 

@@ -1,14 +1,18 @@
-"""Asynchronous shard writer: assembles micro-batches into shards and writes them off the forward loop.
+"""Asynchronous shard writer: rows go to their place in the shard file as their micro-batch completes.
 
-In: per micro-batch, the shard index, the rows' positions inside that shard and the captured
-tensors (on any device, trimmed to the batch's computed length). Out: shards written with
-:func:`ds_capture.cache.writer.write_shard` by one background thread, in the order they complete.
+In: per micro-batch, the shard index, the rows' positions inside that shard, each row's real length and
+the shard kind's tensors for those rows (captured states on any device, trimmed to the batch's computed
+length). Out: shards written in place by one background thread through a shard kind
+(:class:`ds_capture.cache.writer.DSparkShards`: ``open(index)`` -> ``ShardFile``, ``write_rows``,
+``finish(index, shard)``), each finished as soon as its last row is written.
 
-Memory is bounded: the queue holds at most ``queue_shards`` shards' worth of micro-batches
-(``put`` blocks when it is full: back-pressure on the forward loop), plus the one shard being
-assembled and the one being written. A writer error is re-raised in the forward loop at the next
-``put`` (or at ``close``), with its cause, so a full disk stops the run instead of being lost.
-Device-to-host copies happen in the writer thread too.
+Memory is bounded independently of the shard size: a micro-batch's states leave the device at ``put``
+(:mod:`ds_capture.cache.staging`) into one of ``max_in_flight`` host slots, and ``put`` blocks while every
+slot is held (back-pressure on the forward loop). A slot is freed as soon as its rows are written, so the
+writer holds at most ``max_in_flight`` micro-batches plus one open file descriptor and a 16-byte digest
+per row of each open shard; a shard is never assembled in memory. A writer error is re-raised in the
+forward loop at the next ``put`` (or at ``close``), with its cause, so a full disk stops the run; the
+``.tmp`` files of unfinished shards are then deleted.
 """
 
 from __future__ import annotations
@@ -17,69 +21,57 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from ds_capture.cache.format import Manifest
-from ds_capture.cache.writer import write_shard
+from ds_capture.cache.shard_file import ShardFile
+from ds_capture.cache.staging import HostStaging, Staged
 
 _STOP = object()
 
 
 @dataclass
 class MicroBatch:
-    """One forward's rows: row positions inside shard ``shard_index`` and the captured tensors.
+    """One forward's rows of shard ``shard_index``: their positions in it, real lengths and tensors.
 
-    Shapes (B rows, T = computed length <= S): input_ids / loss_mask [B, S] int64,
-    hidden [B, T, H*k], last [B, T, H], num_tokens [B]. Positions >= num_tokens are padding and are
-    written as 0 in both hidden-state tensors, so the cache does not depend on how rows were batched.
+    Shapes (B rows, T = computed length <= S): ``rows`` and ``num_tokens`` [B]; ``tensors`` maps each of
+    the shard kind's tensor names to its rows, e.g. input_ids / loss_mask [B, S] int64, hidden [B, T, H*k],
+    last [B, T, H]. Positions >= num_tokens of a zero-tail tensor are never written: they read as 0, so
+    the cache does not depend on how rows were batched.
     """
 
     shard_index: int
     rows: torch.Tensor
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
     num_tokens: torch.Tensor
-    hidden: torch.Tensor
-    last: torch.Tensor
+    tensors: dict[str, torch.Tensor]
 
 
-class _Shard:
-    def __init__(self, manifest: Manifest, index: int) -> None:
-        self.index = index
-        self.tensors = {name: torch.zeros(shape, dtype=dtype)
-                        for name, (shape, dtype) in manifest.expected_shard_tensors(index).items()}
-        self.remaining = manifest.shard_rows(index)
+class ShardKind(Protocol):
+    """What the writer needs from a cache kind (the DSpark one is ``writer.DSparkShards``)."""
 
-    def put(self, batch: MicroBatch) -> None:
-        length = batch.hidden.shape[1]
-        # Zero the padding positions: [B, T] mask of content positions.
-        content = (torch.arange(length)[None, :] < batch.num_tokens[:, None]).unsqueeze(-1)
-        hidden = batch.hidden.cpu() * content
-        last = batch.last.cpu() * content
-        rows = batch.rows
-        self.tensors["input_ids"][rows] = batch.input_ids
-        self.tensors["loss_mask"][rows] = batch.loss_mask
-        self.tensors["target_hidden_states"][rows, :length] = hidden
-        self.tensors["target_last_hidden_states"][rows, :length] = last
-        self.remaining -= len(rows)
+    def rows(self, index: int) -> int: ...
+    def open(self, index: int) -> ShardFile: ...
+    def finish(self, index: int, shard: ShardFile): ...
 
 
 class AsyncShardWriter:
-    """Background writer with a bounded queue; use as a context manager (``close`` joins it)."""
+    """Background writer over ``staging``'s bounded slots; use as a context manager (``close`` joins it)."""
 
-    def __init__(self, out_dir: Path, manifest: Manifest, *, queue_shards: int, batches_per_shard: int,
-                 synchronous: bool = False) -> None:
-        self.out_dir = Path(out_dir)
-        self.manifest = manifest
+    def __init__(self, shards: ShardKind, staging: HostStaging, *, synchronous: bool = False) -> None:
+        self.shards = shards
+        self.staging = staging
         self.synchronous = synchronous
         self.bytes_written = 0
+        """Bytes actually written (headers and real rows; padding tails are holes)."""
+        self.logical_bytes = 0
+        self.disk_bytes = 0
         self.shards_written = 0
-        self.write_seconds = 0.0
-        self._shards: dict[int, _Shard] = {}
+        self.busy_seconds = 0.0
+        """Time the writer spent writing, hashing and finishing shards (not waiting for work)."""
+        self._open: dict[int, tuple[ShardFile, int]] = {}  # index -> (file, rows still to come)
         self._error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_shards * batches_per_shard))
+        self._queue: queue.Queue = queue.Queue()
         self._thread = None
         if not synchronous:
             self._thread = threading.Thread(target=self._loop, name="ds_capture-writer", daemon=True)
@@ -90,17 +82,15 @@ class AsyncShardWriter:
         return self._queue.qsize()
 
     def put(self, batch: MicroBatch) -> None:
-        """Hand one micro-batch over; blocks while the queue is full; raises a pending writer error."""
+        """Stage one micro-batch off the device and hand it over; blocks while every slot is held."""
         self._raise_pending()
+        while not self.staging.acquire(timeout=0.5):
+            self._raise_pending()
+        staged = self.staging.stage(batch.tensors)
         if self.synchronous:
-            self._consume(batch)
-            return
-        while True:
-            try:
-                self._queue.put(batch, timeout=0.5)
-                return
-            except queue.Full:
-                self._raise_pending()
+            self._consume(batch, staged)
+        else:
+            self._queue.put((batch, staged))
 
     def close(self) -> None:
         """Write everything queued, stop the thread, and raise a writer error if there was one."""
@@ -108,8 +98,7 @@ class AsyncShardWriter:
             self._queue.put(_STOP)
             self._thread.join()
         self._raise_pending()
-        incomplete = [index for index, shard in self._shards.items() if shard.remaining]
-        assert not incomplete, f"shards {incomplete} were never completed"
+        assert not self._open, f"shards {sorted(self._open)} were never completed"
 
     def __enter__(self) -> "AsyncShardWriter":
         return self
@@ -117,36 +106,63 @@ class AsyncShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        elif self._thread is not None and self._thread.is_alive():
-            # Already failing: stop the thread without writing half-assembled shards.
+            return
+        if self._thread is not None and self._thread.is_alive():
+            # Already failing: stop the thread without finishing half-written shards.
             self._error = self._error or exc
             self._queue.put(_STOP)
             self._thread.join(timeout=60)
+        self._abort_open()
 
     def _raise_pending(self) -> None:
         if self._error is not None:
+            self._abort_open()
             raise RuntimeError(f"the shard writer failed: {self._error}") from self._error
+
+    def _abort_open(self) -> None:
+        for shard, _ in self._open.values():
+            shard.abort()
+        self._open.clear()
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
+            batch, staged = item
             if self._error is not None:
-                continue  # drain without writing after a failure
+                staged.release()  # drain without writing after a failure
+                continue
             try:
-                self._consume(item)
+                self._consume(batch, staged)
             except BaseException as error:  # noqa: BLE001 - reported to the forward loop
                 self._error = error
 
-    def _consume(self, batch: MicroBatch) -> None:
-        shard = self._shards.get(batch.shard_index)
-        if shard is None:
-            shard = self._shards[batch.shard_index] = _Shard(self.manifest, batch.shard_index)
-        shard.put(batch)
-        if shard.remaining == 0:
-            started = time.perf_counter()
-            self.bytes_written += write_shard(self.out_dir, shard.index, shard.tensors, self.manifest)
-            self.write_seconds += time.perf_counter() - started
+    def _consume(self, batch: MicroBatch, staged: Staged) -> None:
+        started = time.perf_counter()
+        try:
+            staged.wait()
+            index = batch.shard_index
+            if index not in self._open:
+                opened = self.shards.open(index)
+                self.bytes_written += opened.bytes_written  # its header
+                self._open[index] = (opened, self.shards.rows(index))
+            shard, remaining = self._open[index]
+            before = shard.bytes_written
+            shard.write_rows(batch.rows, staged.tensors, batch.num_tokens)
+            self.bytes_written += shard.bytes_written - before
+        finally:
+            staged.release()
+        remaining -= len(batch.rows)
+        self._open[index] = (shard, remaining)
+        if remaining == 0:
+            del self._open[index]
+            try:
+                written = self.shards.finish(index, shard)
+            except BaseException:
+                shard.abort()
+                raise
+            self.logical_bytes += written.logical_bytes
+            self.disk_bytes += written.disk_bytes
             self.shards_written += 1
-            del self._shards[shard.index]
+        self.busy_seconds += time.perf_counter() - started

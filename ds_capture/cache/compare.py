@@ -1,4 +1,5 @@
-"""Compare two DSpark v1 caches: are they the same capture, within a float tolerance?
+"""Compare two DSpark v1 caches: are they the same capture, within a float tolerance? (Two EAGLE-3 v2
+caches are compared by :mod:`ds_capture.cache.eagle3_reader` into the same report.)
 
 In:  two cache directories (each with a complete ``manifest.json``), optional ``atol`` / ``rtol``.
 Out: a :class:`CompareReport`: the identity fields side by side, per tensor key the max absolute and
@@ -168,6 +169,13 @@ def compare_caches(a: Path, b: Path, *, atol: float | None, rtol: float | None) 
     or the weights file missing or holding the wrong tensors).
     """
     a, b = Path(a), Path(b)
+    from ds_capture.cache import eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(a) or eagle3_reader.is_eagle3_cache(b):
+        if not (eagle3_reader.is_eagle3_cache(a) and eagle3_reader.is_eagle3_cache(b)):
+            raise CaptureError(f"{a} and {b} are caches of different kinds (one EAGLE-3 v2, one not); compare "
+                               "needs two caches of the same kind.")
+        return eagle3_reader.compare_eagle3_caches(a, b, atol=atol, rtol=rtol)
     manifest_a, manifest_b = _read_complete(a), _read_complete(b)
     default_atol, default_rtol = default_tolerance(manifest_b.dtype)
     report = CompareReport(

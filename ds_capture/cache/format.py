@@ -11,7 +11,7 @@ Files in a cache directory::
     target_weights.safetensors       embed_tokens.weight, lm_head.weight  [V, H]
     shard-NNNNNN.safetensors         input_ids, loss_mask [n, S]; target_hidden_states [n, S, H*k];
                                      target_last_hidden_states [n, S, H]
-    .ds_capture/                     this project's bookkeeping (checksums); NeMo ignores it
+    .ds_capture/                     this project's bookkeeping (checksum sidecars); NeMo ignores it
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ def shard_name(index: int) -> str:
 
 
 def checksum_name(index: int) -> str:
-    """Name of the sha256 sidecar of shard ``index`` under ``.ds_capture/checksums/``."""
+    """Name of the checksum sidecar of shard ``index`` under ``.ds_capture/checksums/``."""
+    return f"shard-{index:06d}.checksum"
+
+
+def legacy_checksum_name(index: int) -> str:
+    """The sidecar earlier versions wrote: the shard's plain sha256, in sha256sum's format."""
     return f"shard-{index:06d}.sha256"
 
 

@@ -1,4 +1,5 @@
-"""Cache reader: verify and inspect a DSpark v1 cache directory (DESIGN.md §3).
+"""Cache reader: verify and inspect a DSpark v1 cache directory (DESIGN.md §3); EAGLE-3 v2 caches are
+handed to :mod:`ds_capture.cache.eagle3_reader` (same reports).
 
 In: a cache directory. Out: its ``Manifest`` (``read_manifest``); a ``VerifyReport`` listing every
 way the directory breaks the contract (``verify_cache``); a summary dict and its human text
@@ -36,7 +37,7 @@ from ds_capture.cache.format import (
     checksum_name,
     shard_name,
 )
-from ds_capture.cache.writer import read_recorded_checksum, sha256_file
+from ds_capture.cache.writer import file_checksum, read_recorded_checksum
 from ds_capture.errors import CaptureError
 
 _MAX_LISTED = 10
@@ -93,6 +94,10 @@ class VerifyReport:
 def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     """Check every contract rule on ``cache_dir``; ``checksums`` also re-hashes each shard."""
     cache_dir = Path(cache_dir)
+    from ds_capture.cache import eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.verify_eagle3_cache(cache_dir, checksums=checksums)
     report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
     try:
         manifest = read_manifest(cache_dir)
@@ -236,10 +241,18 @@ def _verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
     recorded = read_recorded_checksum(cache_dir, index)
     if recorded is None:
         record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
-        report.problems.append(f"{name}: no recorded sha256 ({record}) to check against")
-    elif (actual := sha256_file(cache_dir / name)) != recorded:
+        report.problems.append(f"{name}: no recorded checksum ({record}) to check against")
+        return
+    algorithm = recorded.partition(":")[0]
+    try:
+        actual = file_checksum(cache_dir / name, algorithm)
+    except ValueError as error:
+        report.problems.append(f"{name}: its {algorithm} checksum cannot be computed ({error})")
+        return
+    if actual != recorded:
         report.problems.append(
-            f"{name}: sha256 {actual} differs from the recorded {recorded}: the file changed after it was written"
+            f"{name}: {algorithm} {actual.partition(':')[2]} differs from the recorded {recorded.partition(':')[2]}: "
+            "the file changed after it was written"
         )
 
 
@@ -273,8 +286,13 @@ def _layout_mismatch(key: str, t: torch.Tensor, shape: tuple[int, ...], dtype: t
 
 
 def inspect_cache(cache_dir: Path) -> dict[str, Any]:
-    """Counts and identity of a cache, reading only input_ids and loss_mask of each shard."""
+    """Counts, sizes (logical, on disk, padding fraction) and identity of a cache, reading only input_ids and
+    loss_mask of each shard."""
     cache_dir = Path(cache_dir)
+    from ds_capture.cache import eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.inspect_eagle3_cache(cache_dir)
     manifest = read_manifest(cache_dir)
     present = sorted(_shard_indices(cache_dir))
     pad_id = _infer_pad_id(cache_dir, present)
@@ -299,7 +317,10 @@ def inspect_cache(cache_dir: Path) -> dict[str, Any]:
         "pad_id": pad_id,
         "layers": list(manifest.target_layer_ids),
         "dtype": manifest.dtype,
-        "bytes_on_disk": sum(p.stat().st_size for p in files),
+        "logical_bytes": sum(p.stat().st_size for p in files),
+        # Blocks actually allocated: shards' padding tails are holes (read as zeros, not stored).
+        "bytes_on_disk": sum(p.stat().st_blocks * 512 for p in files),
+        "padding_fraction": _padding_fraction(num_tokens, present, manifest),
         "identity": {
             name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in IDENTITY_FIELDS
         },
@@ -307,8 +328,17 @@ def inspect_cache(cache_dir: Path) -> dict[str, Any]:
     }
 
 
+def _padding_fraction(num_tokens: int, present: list[int], manifest: Manifest) -> float:
+    positions = sum(manifest.shard_rows(i) for i in present if i < manifest.num_shards) * manifest.seq_length
+    return round(1 - num_tokens / positions, 6) if positions else 0.0
+
+
 def format_inspect(info: dict[str, Any]) -> str:
     """Human text for ``inspect_cache``'s dict."""
+    if info.get("kind") == "eagle3":
+        from ds_capture.cache.eagle3_reader import format_eagle3_inspect
+
+        return format_eagle3_inspect(info)
     samples, tokens = info["samples"], info["tokens"]
     state = "complete" if info["complete"] else "INCOMPLETE"
     lines = [
@@ -318,7 +348,8 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"tokens       {tokens} non-padding ({tokens / max(samples, 1):.1f} per sample), pad id {info['pad_id']}",
         f"supervised   {info['supervised_tokens']} ({info['supervised_tokens'] / max(tokens, 1):.1%} of tokens)",
         f"layers       {info['layers']} ({info['dtype']})",
-        f"on disk      {_human_bytes(info['bytes_on_disk'])}",
+        f"on disk      {_human_bytes(info['bytes_on_disk'])} of {_human_bytes(info['logical_bytes'])} logical "
+        f"({info['padding_fraction']:.1%} of row positions are padding)",
         "identity:",
     ]
     width = max(len(k) for k in info["identity"])

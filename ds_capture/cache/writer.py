@@ -5,10 +5,17 @@ names only once complete (``<name>.tmp`` + fsync + ``os.replace``), in the contr
 ``write_target_weights``, ``write_manifest`` (complete false), ``write_shard`` per shard, then
 ``write_manifest`` (complete true) after every rank has finished.
 
+Shards are written in place (:mod:`ds_capture.cache.shard_file`): :class:`DSparkShards` is the DSpark
+shard kind the capture loop drives (``open`` a shard, ``write_rows`` as micro-batches complete,
+``finish``); its hidden-state tensors are sparse (each row's padded tail is a hole). ``write_shard``
+writes a whole in-memory shard through the same path.
+
 ``prepare_output_dir`` runs first, on rank 0 only: it refuses a directory that holds another
 run's cache or foreign files (touching nothing), and otherwise returns the shards a killed run
-already finished. A shard counts as finished only if its sha256 matches the sidecar recorded in
-``.ds_capture/checksums/`` right after it was renamed into place.
+already finished. A shard counts as finished only if its checksum matches the sidecar recorded in
+``.ds_capture/checksums/`` right after it was renamed into place. A sidecar names its algorithm
+(``xxh3-128-rows:<hex>``, computed from the rows as written); sidecars of earlier versions
+(``shard-NNNNNN.sha256``: the file's plain sha256) still verify.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,8 +40,10 @@ from ds_capture.cache.format import (
     TARGET_WEIGHTS_NAME,
     Manifest,
     checksum_name,
+    legacy_checksum_name,
     shard_name,
 )
+from ds_capture.cache.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest, fsync_dir
 from ds_capture.errors import CaptureError
 
 TMP_SUFFIX = ".tmp"
@@ -67,12 +77,7 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    # The rename itself is durable only once the directory entry is flushed.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
@@ -85,16 +90,50 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
 
 
 def checksum_path(out_dir: Path, index: int) -> Path:
-    return out_dir / BOOKKEEPING_DIR / CHECKSUMS_DIR / checksum_name(index)
+    return Path(out_dir) / BOOKKEEPING_DIR / CHECKSUMS_DIR / checksum_name(index)
 
 
 def read_recorded_checksum(out_dir: Path, index: int) -> str | None:
-    """The sha256 recorded when shard ``index`` was written, or None if there is no record."""
+    """The tagged checksum recorded when shard ``index`` was written (``algorithm:hex``), or None.
+
+    A sidecar of an earlier version (``shard-NNNNNN.sha256`` in sha256sum's format) reads as ``sha256:<hex>``.
+    """
+    checksums = Path(out_dir) / BOOKKEEPING_DIR / CHECKSUMS_DIR
+    for name, legacy in ((checksum_name(index), False), (legacy_checksum_name(index), True)):
+        try:
+            words = (checksums / name).read_text(encoding="utf-8").split()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if not words:
+            return None
+        return f"sha256:{words[0]}" if legacy else words[0]
+    return None
+
+
+def file_checksum(path: Path, algorithm: str) -> str:
+    """The tagged checksum of the file at ``path`` under ``algorithm`` (``xxh3-128-rows`` or ``sha256``)."""
+    if algorithm == "sha256":
+        return f"sha256:{sha256_file(path)}"
+    if algorithm == ROWS_DIGEST:
+        return file_digest(path)
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def checksum_matches(path: Path, recorded: str) -> bool:
+    """Whether the file at ``path`` still has the ``recorded`` tagged checksum (any known algorithm)."""
     try:
-        text = checksum_path(out_dir, index).read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return text.split()[0] if text.split() else None
+        return file_checksum(path, recorded.partition(":")[0]) == recorded
+    except ValueError:  # a damaged header or an unknown algorithm: not the file that was recorded
+        return False
+
+
+def write_checksum_sidecar(out_dir: Path, index: int, checksum: str) -> None:
+    """Record shard ``index``'s tagged checksum (atomically); drops an earlier version's sha256 sidecar."""
+    sidecar = checksum_path(out_dir, index)
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
+    line = f"{checksum}  {shard_name(index)}\n"
+    write_atomic(sidecar, lambda tmp: tmp.write_text(line, encoding="utf-8"))
+    (sidecar.parent / legacy_checksum_name(index)).unlink(missing_ok=True)
 
 
 def check_output_dir(out_dir: Path, manifest: Manifest) -> Manifest | None:
@@ -190,7 +229,7 @@ def _shard_is_done(out_dir: Path, index: int, manifest: Manifest) -> bool:
         return False
     expected_tensors = manifest.expected_shard_tensors(index).items()
     expected = {key: (shape, _SAFETENSORS_DTYPE[dtype]) for key, (shape, dtype) in expected_tensors}
-    return found == expected and sha256_file(path) == recorded
+    return found == expected and checksum_matches(path, recorded)
 
 
 # safetensors' header names for the dtypes a cache may hold.
@@ -217,30 +256,66 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> None:
     write_atomic(Path(out_dir) / MANIFEST_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def write_shard(out_dir: Path, index: int, tensors: dict[str, torch.Tensor], manifest: Manifest) -> int:
-    """Write shard ``index`` atomically, then its sha256 sidecar; return the shard's size in bytes.
+@dataclass(frozen=True)
+class WrittenShard:
+    """What writing one shard cost: its logical size, the bytes actually written, its blocks on disk."""
+
+    index: int
+    logical_bytes: int
+    bytes_written: int
+    disk_bytes: int
+    """``st_blocks * 512`` of the final file: below ``logical_bytes`` where the padding tails are holes."""
+
+
+class DSparkShards:
+    """The DSpark v1 shard kind (DESIGN §3) as the capture loop drives it: ``open``, rows, ``finish``.
+
+    ``open(index)`` returns a :class:`ShardFile` laid out from the manifest; its hidden-state tensors
+    are written up to each row's real length only (the padded tail stays a hole). ``finish`` renames the
+    shard into place and records its checksum sidecar. Another cache kind supplies its own tensors by
+    providing the same three methods and ``rows(index)``.
+    """
+
+    zero_tail = frozenset({"target_hidden_states", "target_last_hidden_states"})
+
+    def __init__(self, out_dir: Path, manifest: Manifest) -> None:
+        self.out_dir = Path(out_dir)
+        self.manifest = manifest
+
+    def rows(self, index: int) -> int:
+        return self.manifest.shard_rows(index)
+
+    def open(self, index: int) -> ShardFile:
+        layout = SafetensorsLayout.build(self.manifest.expected_shard_tensors(index))
+        return ShardFile(self.out_dir / shard_name(index), layout, zero_tail=self.zero_tail)
+
+    def finish(self, index: int, shard: ShardFile) -> WrittenShard:
+        checksum = shard.finish()
+        write_checksum_sidecar(self.out_dir, index, checksum)
+        stat = shard.path.stat()
+        return WrittenShard(index=index, logical_bytes=stat.st_size, bytes_written=shard.bytes_written,
+                            disk_bytes=stat.st_blocks * 512)
+
+
+def write_shard(out_dir: Path, index: int, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> int:
+    """Write a whole in-memory shard ``index`` (atomically, dense), then its sidecar; return its size in bytes.
 
     A tensor with the wrong name, shape, dtype, device or layout is a program bug: ValueError.
     """
-    out_dir = Path(out_dir)
     _check_shard_tensors(index, tensors, manifest)
-    path = out_dir / shard_name(index)
-    digest: list[str] = []
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, tmp)
-        # Hash the bytes that will be renamed into place, before anything can replace them.
-        digest.append(sha256_file(tmp))
-
-    write_atomic(path, write)
-    sidecar = checksum_path(out_dir, index)
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    line = f"{digest[0]}  {shard_name(index)}\n"  # sha256sum's format, so `sha256sum -c` can check it
-    write_atomic(sidecar, lambda tmp: tmp.write_text(line, encoding="utf-8"))
-    return path.stat().st_size
+    kind = DSparkShards(out_dir, manifest)
+    shard = ShardFile(Path(out_dir) / shard_name(index),
+                      SafetensorsLayout.build(manifest.expected_shard_tensors(index)))
+    try:
+        n, S = manifest.shard_rows(index), manifest.seq_length
+        shard.write_rows(torch.arange(n), tensors, torch.full((n,), S))
+    except BaseException:
+        shard.abort()
+        raise
+    return kind.finish(index, shard).logical_bytes
 
 
-def _check_shard_tensors(index: int, tensors: dict[str, torch.Tensor], manifest: Manifest) -> None:
+def _check_shard_tensors(index: int, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
     expected = manifest.expected_shard_tensors(index)
     if set(tensors) != set(expected):
         raise ValueError(f"shard {index}: tensors {sorted(tensors)}, expected exactly {sorted(expected)}")

@@ -25,17 +25,27 @@ def build_model(
     dtype: torch.dtype,
     attn_implementation: str | None,
     ds_config: Mapping[str, Any] | None,
+    expert_storage: str = "dequantized",
 ) -> torch.nn.Module:
-    """Build the frozen target for this rank with ``engine`` (``deepspeed`` or ``fsdp2``)."""
+    """Build the frozen target for this rank with ``engine`` (``deepspeed`` or ``fsdp2``).
+
+    ``expert_storage``: ``dequantized`` (routed experts dequantized on load) or ``checkpoint`` (kept in the
+    checkpoint's quantized format, dequantized per expert in the forward: :mod:`.resident_experts`).
+    """
+    from ds_capture.engine.resident_experts import check_expert_storage
+
+    check_expert_storage(expert_storage, engine, plan.world_size)
     if plan.world_size == 1:
         from ds_capture.engine.single import build_single_model
 
-        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation)
+        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
+                                  expert_storage=expert_storage)
     if engine == "deepspeed":
         from ds_capture.engine.deepspeed_engine import build_deepspeed_model
 
         return build_deepspeed_model(
-            target, plan, groups, dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config
+            target, plan, groups, dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config,
+            expert_storage=expert_storage,
         )
     if engine == "fsdp2":
         try:

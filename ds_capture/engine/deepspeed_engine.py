@@ -9,7 +9,8 @@ Out: the plain Hugging Face CausalLM module (unwrapped from DeepSpeed's Inferenc
      ``inference_mode``) with its own micro-batch; ranks of one TP group must pass the same batch.
 
 Steps: meta model -> expert parallelism (ep > 1, :mod:`.expert_parallel`) -> AutoTP
-(``deepspeed.init_inference``, tp > 1) on the meta model, so each rank allocates only its shards ->
+(``deepspeed.init_inference``, tp > 1; or the family's own ``tp_plan``, :mod:`.tensor_parallel`, where AutoTP
+mis-shards it) on the meta model, so each rank allocates only its shards ->
 fill from safetensors slices (:mod:`.loading`). A world of one, and every DP-only rank, loads the whole model
 through the same loader (:mod:`.single`).
 """
@@ -34,6 +35,7 @@ from ds_capture.engine.loading import (
     restore_tensor_layout,
 )
 from ds_capture.engine.single import build_single_model
+from ds_capture.engine.tensor_parallel import apply_tensor_parallel
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo
 
@@ -70,19 +72,21 @@ class _ModelParallelUnit:
 
 
 def build_deepspeed_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                          attn_implementation: str | None, ds_config: Mapping[str, Any] | None) -> nn.Module:
+                          attn_implementation: str | None, ds_config: Mapping[str, Any] | None,
+                          expert_storage: str = "dequantized") -> nn.Module:
     """This rank's shard of the frozen target: EP over ``groups.ep_group``, AutoTP over ``groups.tp_group``."""
     if plan.tp_size == 1 and plan.ep_size == 1:
         # Pure data parallelism replicates the model: every rank loads it whole, as one process would.
-        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation)
+        return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
+                                  expert_storage=expert_storage)
     model, _ = build_sharded_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation,
-                                   ds_config=ds_config)
+                                   ds_config=ds_config, expert_storage=expert_storage)
     return model
 
 
 def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                        attn_implementation: str | None,
-                        ds_config: Mapping[str, Any] | None) -> tuple[nn.Module, LoadStats]:
+                        attn_implementation: str | None, ds_config: Mapping[str, Any] | None,
+                        expert_storage: str = "dequantized") -> tuple[nn.Module, LoadStats]:
     """:func:`build_deepspeed_model` for a world > 1, also returning what this rank read from disk."""
     family = target.family
     if plan.tp_size > 1 and not family.supports_tp:
@@ -90,9 +94,16 @@ def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: to
 
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model = apply_expert_parallel(model, family, ep_group=groups.ep_group, ep_size=plan.ep_size, ep_rank=plan.ep_rank)
-    if plan.tp_size > 1:
+    if plan.tp_size > 1 and family.tp_plan:  # AutoTP mis-shards this family: our own explicit plan
+        model = apply_tensor_parallel(model, family, tp_group=groups.tp_group, tp_size=plan.tp_size,
+                                      tp_rank=plan.tp_rank)
+    elif plan.tp_size > 1:
         model = apply_autotp(model, tp_group=groups.tp_group, dp_group=groups.dp_group, dtype=dtype,
                              tp_grain_size=_tp_grain_size(ds_config))
+    if expert_storage == "checkpoint":
+        from ds_capture.engine.resident_experts import keep_experts_quantized
+
+        keep_experts_quantized(model, target)  # after EP / AutoTP: the rank's experts, kept in the checkpoint format
     stats = load_owned_parameters(model, target)
     return model.eval().requires_grad_(False), stats
 

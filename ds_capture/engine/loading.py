@@ -14,6 +14,9 @@ What a rank owns is read off the model itself, so the loader needs no plan:
     only those experts' checkpoint tensors are opened.
 On-disk names are mapped to in-memory parameters with transformers' own conversion mapping (the one
 ``from_pretrained`` uses: per-expert ``experts.E.gate_proj.weight`` -> fused ``experts.gate_up_proj``).
+Quantized tensors (FP8 / FP4 / INT4 with their scales: :mod:`.quant`) are mapped under their logical key and
+read as this rank's slice dequantized, or, for experts kept resident (:mod:`.resident_experts`), as stored.
+Multi-token-prediction tensors are never read.
 One tensor is mapped at a time and cloned out of the mapping (DESIGN §6); :func:`fill_from_checkpoint` is the
 read loop every engine shares (the FSDP2 engine passes its DTensor chunks).
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_capture.engine import quant
 from ds_capture.engine.expert_parallel import ExpertParallelExperts
+from ds_capture.engine.quant import QuantTensor
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo
 
@@ -66,14 +73,27 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     """
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(target.path)
+    family = target.family
+    config = family.build_config(transformers.AutoConfig.from_pretrained(target.path))
+    if target.checkpoint_num_hidden_layers is not None:
+        _reduce_depth(family.text_config(config), target.num_hidden_layers)
+    attn_implementation = family.resolve_attn_implementation(attn_implementation)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_class = target.family.model_class(config)
+    model_class = family.model_class(config)
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
-    target.family.drop_unused_modules(model)
+    family.drop_unused_modules(model)
     return model.eval().requires_grad_(False)
+
+
+def _reduce_depth(text_config, num_layers: int) -> None:
+    """``target_num_hidden_layers``: the config describes only the first ``num_layers`` decoder layers."""
+    depth = text_config.num_hidden_layers
+    text_config.num_hidden_layers = num_layers
+    for name, value in vars(text_config).items():  # per-layer lists (layer_types, ...) keep their first entries
+        if isinstance(value, list) and len(value) == depth and name.endswith("layer_types"):
+            setattr(text_config, name, value[:num_layers])
 
 
 @dataclass
@@ -131,17 +151,18 @@ def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
 
 def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
     """Parameter name -> the slice of the checkpoint tensor this rank holds (absent: the whole tensor)."""
-    from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
-
+    # An AutoTP layer exists only if DeepSpeed built it: a process that never imported DeepSpeed (one
+    # process, DP-only ranks) skips its import here (~0.6 s).
+    autotp = sys.modules.get("deepspeed.module_inject.layers")
     owned: dict[str, OwnedSlice] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        if isinstance(module, TensorParallel_Layer):
+        if autotp is not None and isinstance(module, autotp.TensorParallel_Layer):
             # The layer knows its split (sizes frozen at build); re-publish it on the current parameters,
             # since to_empty() replaced the parameter objects that carried it.
             module._mark_uc_metadata()
             for leaf, param in module.named_parameters(recurse=False):
-                meta = getattr(param, DS_AUTOTP_UC_META, None)
+                meta = getattr(param, autotp.DS_AUTOTP_UC_META, None)
                 if meta is None or meta["sub_param_shard_widths"]:
                     raise CaptureError(
                         f"AutoTP sharded {prefix}{leaf} with a layout the loader cannot slice "
@@ -152,6 +173,10 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
                 sizes = meta["partition_sizes"]
                 owned[prefix + leaf] = OwnedSlice(dim=meta["partition_dim"], start=sum(sizes[: module.tp_index]),
                                                   length=sizes[module.tp_index])
+        if getattr(module, "resident_quantized", False) and module.owned is not None:
+            owned[module_name] = module.owned  # experts kept quantized (resident_experts): the EP rank's experts
+        for leaf, cut in getattr(module, "owned_slices", {}).items():  # our own TP plan's linears
+            owned[prefix + leaf] = cut
         if isinstance(module, ExpertParallelExperts):
             for leaf, param in module.named_parameters(recurse=False):
                 if param.dim() and param.shape[0] == module.num_local_experts:
@@ -189,23 +214,39 @@ class KeyMap:
     pattern_of: dict[str, str]
     """Checkpoint key -> the converter source pattern it matched (gate_proj / up_proj lists)."""
     unexpected: list[str]
+    ignored: list[str] = field(default_factory=list)
+    """Checkpoint keys that are not part of the model and are never read (multi-token-prediction layers)."""
+    quantized: dict[str, QuantTensor] = field(default_factory=dict)
+    """Logical checkpoint key (``X.weight``) -> its quantized parts (:mod:`.quant`); read dequantized."""
 
 
-def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = ()) -> KeyMap:
-    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out."""
+def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
+                         layers: str | None = None, prefix: str = "") -> KeyMap:
+    """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out, and so
+    are keys outside ``prefix`` when one is given (the others are mapped with it stripped).
+
+    A key the model has no place for is ``ignored`` (never read, no error) when it matches the model's own
+    ``_keys_to_ignore_on_load_unexpected`` (transformers' regexes: DeepSeek-V4's ``mtp.*``) or sits in a
+    decoder layer past the model's last one under ``layers`` (the multi-token-prediction layer that
+    DeepSeek-V3 / Kimi-K2 store as ``model.layers.<num_hidden_layers>``, GLM as layer 92 / 78).
+    """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    model_names = set(model.state_dict().keys())
+    model_names = set(model.state_dict().keys()) | set(_resident_stacks(model))
     sources: dict[str, list[str]] = defaultdict(list)
     converter_of: dict[str, Any] = {}
     pattern_of: dict[str, str] = {}
-    unexpected = []
+    unexpected, ignored = [], []
+    ignore_patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    num_layers = len(model.get_submodule(layers)) if layers else 0
     for key in sorted(keys, key=dot_natural_key):
-        renamed = apply_renamings(key, renamings)
+        if not key.startswith(prefix):
+            continue  # e.g. Llama 4's vision tower next to its `language_model.` text model
+        renamed = apply_renamings(key[len(prefix):], renamings)
         matched = None
         for converter in converters:
             converted, pattern = converter.rename_source_key(renamed)
@@ -221,13 +262,28 @@ def _map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, 
         if any(renamed.startswith(module + ".") for module in dropped):
             pattern_of.pop(key, None)
             continue
+        if renamed not in model_names and _not_in_model(key, renamed, ignore_patterns, layers, num_layers):
+            pattern_of.pop(key, None)
+            ignored.append(key)
+            continue
         if matched is not None:
             converter_of[renamed] = matched
         if renamed in model_names:
             sources[renamed].append(key)
         else:
             unexpected.append(key)
-    return KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected)
+    return KeyMap(sources=dict(sources), converter_of=converter_of, pattern_of=pattern_of, unexpected=unexpected,
+                  ignored=ignored)
+
+
+def _not_in_model(key: str, renamed: str, patterns: list[re.Pattern], layers: str | None, num_layers: int) -> bool:
+    """``key`` is a known extra tensor (an ignore regex, or a decoder layer index >= the model's depth)."""
+    if any(p.search(key) or p.search(renamed) for p in patterns):
+        return True
+    if layers and renamed.startswith(layers + "."):
+        index = renamed[len(layers) + 1 :].split(".", 1)[0]
+        return index.isdigit() and int(index) >= num_layers
+    return False
 
 
 def _read_slice(handle: Any, key: str, owned: OwnedSlice | None) -> torch.Tensor:
@@ -244,13 +300,19 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
-    naming them. A tied lm_head takes the embedding's key.
+    naming them. A tied lm_head takes the embedding's key. Quantized weights are listed under their logical
+    key (``X.weight``; their scales are parts, not tensors) in ``key_map.quantized`` (:mod:`.quant`).
     """
-    index = _checkpoint_index(target.path)
+    files = _checkpoint_index(target.path)
+    headers = quant.read_headers(files.values())
+    index, _parts = quant.logical_keys(files, headers)
     family = target.family
-    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules)
+    key_map = _map_checkpoint_keys(model, list(index), family.drop_modules + target.skipped_layer_modules,
+                                   family.layers, family.checkpoint_prefix)
+    used = {key for keys in key_map.sources.values() for key in keys}
+    key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
-    state = model.state_dict(keep_vars=True)
+    state = {**model.state_dict(keep_vars=True), **_resident_stacks(model)}
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
     if target.tie_word_embeddings and lm_head in state and lm_head not in sources and embed in sources:
         sources[lm_head] = sources[embed]  # tied: the lm_head is the embedding
@@ -262,6 +324,11 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
             "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
         )
     return index, key_map, state
+
+
+def _resident_stacks(model: nn.Module) -> dict[str, nn.Module]:
+    """Fused expert tensors held in the checkpoint's quantized format (:mod:`.resident_experts`), by name."""
+    return {name: module for name, module in model.named_modules() if getattr(module, "resident_quantized", False)}
 
 
 def default_device() -> torch.device:
@@ -316,15 +383,24 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
     # fused tensor), so a layer's experts are never held twice (pieces + stacked copy).
     slot_of: dict[str, int] = {}
     num_patterns: dict[str, int] = {}
+    # A sliced tensor that a converter concatenates from several keys (KDA's q/k/v short convolutions into one
+    # conv1d) is read whole, converted, then cut: its pieces do not line up with the slice.
+    cut_after_convert: dict[str, OwnedSlice] = {}
     for name, keys in sources.items():
         cut = owned.get(name)
         if cut is not None and cut.length == 0:
             continue  # e.g. an FSDP2 rank past the last chunk of a small dim
+        if getattr(destinations[name], "resident_quantized", False):  # raw parts, one owned expert at a time
+            keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
+            slot_of.update(_expert_slots(keys, key_map.pattern_of))
+            for key in keys:
+                reads[index[key]].append((key, name, None))
+            continue
         if name in converter_of:
             converter = converter_of[name]
             stacked = isinstance(converter.operations[0], MergeModulelist)
             if cut is not None and not (cut.experts and stacked):
-                raise CaptureError(f"{name}: a sliced tensor built by {converter!r} is not supported.")
+                cut_after_convert[name], cut = cut, None
             keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
             pieces[name], num_pieces[name], cut = {}, len(keys), None
             if stacked:
@@ -344,9 +420,21 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 read_since_trim = 0
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
-            with safe_open(path, framework="pt") as handle:
-                tensor = _read_slice(handle, key, cut)
-            num_bytes = tensor.numel() * tensor.element_size()
+            if getattr(destinations[name], "resident_quantized", False):
+                num_bytes = destinations[name].put(slot_of[key], key_map.pattern_of[key], key_map.quantized[key],
+                                                   converter_of[name])
+                stats.bytes_read += num_bytes
+                read_since_trim += num_bytes
+                stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
+                continue
+            if key in key_map.quantized:  # the stored bytes and scale blocks covering the slice, dequantized
+                qt = key_map.quantized[key]
+                region = quant.region_of(qt, cut.dim, cut.start, cut.length) if cut else quant.region_of(qt, None, 0, 0)
+                tensor, num_bytes = quant.read_dequantized(qt, region)
+            else:
+                with safe_open(path, framework="pt") as handle:
+                    tensor = _read_slice(handle, key, cut)
+                num_bytes = tensor.numel() * tensor.element_size()
             stats.bytes_read += num_bytes
             read_since_trim += num_bytes
             stats.bytes_by_param[name] = stats.bytes_by_param.get(name, 0) + num_bytes
@@ -362,6 +450,9 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
                 if len(pieces[name]) < num_pieces[name]:
                     continue
                 tensor = _convert_pieces(converter_of[name], pieces.pop(name), key_map.pattern_of, name)
+                if name in cut_after_convert:
+                    after = cut_after_convert[name]
+                    tensor = tensor.narrow(after.dim, after.start, after.length).clone()
             _copy_checked(destinations[name], tensor, name, key)
         stats.num_files += 1
     _release_freed_memory()

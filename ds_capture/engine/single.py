@@ -16,11 +16,19 @@ from torch import nn
 from ds_capture.families import TargetInfo
 
 
-def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    """The whole target in ``dtype`` on this rank's device, eval, frozen; unused towers dropped."""
+def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementation: str | None,
+                       expert_storage: str = "dequantized") -> nn.Module:
+    """The whole target in ``dtype`` on this rank's device, eval, frozen; unused towers dropped.
+
+    ``expert_storage="checkpoint"``: quantized routed experts stay in the checkpoint's format
+    (:mod:`.resident_experts`)."""
     from ds_capture.engine.loading import build_meta_model, load_owned_parameters
 
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
+    if expert_storage == "checkpoint":
+        from ds_capture.engine.resident_experts import keep_experts_quantized
+
+        keep_experts_quantized(model, target)
     load_owned_parameters(model, target)
     return model.eval().requires_grad_(False)
 
@@ -32,6 +40,7 @@ def load_with_from_pretrained(target: TargetInfo, *, dtype: torch.dtype,
 
     from ds_capture.engine.loading import default_device
 
+    attn_implementation = target.family.resolve_attn_implementation(attn_implementation)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = getattr(transformers, target.family.auto_class).from_pretrained(target.path, dtype=dtype, **kwargs)
     target.family.drop_unused_modules(model)

@@ -8,7 +8,7 @@ Two ways to kill, mixed by the crash tests and ``benchmarks/soak.py``:
 
   ``forward``   inside the forward pass (pre-hook of the second decoder layer), peers mid-collective;
   ``save``      mid-shard-write: the shard's ``.tmp`` is half written (truncated), never renamed;
-  ``sidecar``   a shard renamed into place but its sha256 sidecar not yet written;
+  ``sidecar``   a shard renamed into place but its checksum sidecar not yet written;
   ``flip``      after every shard, before ``manifest.json`` is flipped to ``complete: true``;
   ``after_flip`` right after the flip, before the process exits.
 
@@ -94,15 +94,18 @@ def install_kill(spec: str) -> None:
 
         runner.build_model = build_and_arm
     elif point == "save":
-        save_file = writer.save_file
+        from ds_capture.cache.shard_file import ShardFile
 
-        def save_half(tensors, path, *args, **kwargs):
-            save_file(tensors, path, *args, **kwargs)
-            if Path(path).name.startswith("shard-") and hit():
-                os.truncate(path, os.path.getsize(path) // 2)
+        finish = ShardFile.finish
+
+        def finish_or_die_half_written(self):
+            # Every row is in the .tmp; cut it in half and die before the rename.
+            if self.path.name.startswith("shard-") and hit():
+                os.truncate(self.tmp, os.path.getsize(self.tmp) // 2)
                 fail()
+            return finish(self)
 
-        writer.save_file = save_half
+        ShardFile.finish = finish_or_die_half_written
     elif point == "sidecar":
         write_atomic = writer.write_atomic
 
@@ -316,13 +319,14 @@ def shard_files(out_dir: Path) -> list[str]:
 
 def finished_shards(out_dir: Path) -> set[int]:
     """Shards under their final name whose bytes match the sidecar (what a rerun must keep)."""
+    from ds_capture.cache.shard_file import file_digest
+
     out_dir = Path(out_dir)
     done = set()
     for name in shard_files(out_dir):
         index = int(SHARD_RE.match(name).group(1))
-        sidecar = out_dir / ".ds_capture" / "checksums" / name.replace(".safetensors", ".sha256")
-        if sidecar.is_file() and sidecar.read_text().split()[0] == hashlib.sha256(
-                (out_dir / name).read_bytes()).hexdigest():
+        sidecar = out_dir / ".ds_capture" / "checksums" / name.replace(".safetensors", ".checksum")
+        if sidecar.is_file() and sidecar.read_text().split()[0] == file_digest(out_dir / name):
             done.add(index)
     return done
 

@@ -30,7 +30,7 @@ def test_verify_with_checksums_needs_records():
     report = verify_cache(fixture_dir("cache_fp32"), checksums=True)
     assert not report.ok
     assert report.problems == [
-        f"shard-00000{i}.safetensors: no recorded sha256 (.ds_capture/checksums/shard-00000{i}.sha256) to check against"
+        f"shard-00000{i}.safetensors: no recorded checksum (.ds_capture/checksums/shard-00000{i}.checksum) to check against"
         for i in range(3)
     ]
 
@@ -48,7 +48,7 @@ def test_verify_writer_cache_with_checksums_and_detects_changed_bytes(tmp_path):
     path.write_bytes(bytes(data))
     problems = verify_cache(tmp_path, checksums=True).problems
     assert len(problems) == 2 and "differs from target_last_hidden_states" in problems[0]
-    assert problems[1].startswith("shard-000001.safetensors: sha256 ") and problems[1].endswith(
+    assert problems[1].startswith("shard-000001.safetensors: xxh3-128-rows ") and problems[1].endswith(
         "the file changed after it was written"
     )
 
@@ -164,15 +164,19 @@ def test_padding_lengths():
 def test_inspect_fixture():
     cache = fixture_dir("cache_fp32")
     info = inspect_cache(cache)
-    assert {k: v for k, v in info.items() if k not in ("identity", "bookkeeping", "bytes_on_disk")} == {
+    sizes = ("logical_bytes", "bytes_on_disk", "padding_fraction")
+    assert {k: v for k, v in info.items() if k not in ("identity", "bookkeeping", *sizes)} == {
         "cache_dir": str(cache), "complete": True, "format_version": 1, "samples": 10, "shards": 3,
         "expected_shards": 3, "shard_size": 4, "seq_length": 48, "tokens": 372, "supervised_tokens": 177,
         "pad_id": 363, "layers": [1, 2, 3], "dtype": "fp32",
     }
-    assert info["bytes_on_disk"] == 612 + 2 * 200008 + 100168 + 196784
+    assert info["logical_bytes"] == 612 + 2 * 200008 + 100168 + 196784
+    assert info["bytes_on_disk"] == sum(p.stat().st_blocks * 512 for p in cache.rglob("*") if p.is_file())
+    assert info["padding_fraction"] == round(1 - 372 / (10 * 48), 6)
     assert info["identity"]["target_layer_ids"] == [1, 2, 3] and info["identity"]["train_split"] is None
     assert len(info["identity"]) == 18
     text = format_inspect(info)
     assert "samples      10 in 3/3 shards of 4" in text
     assert "tokens       372 non-padding (37.2 per sample), pad id 363" in text
+    assert "(22.5% of row positions are padding)" in text
     assert '  chat_template_sha256    "e9a7d7783307ad6563c2257c15eaf555c819eb0a93d9a60698e8e448fe871f7b"' in text

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import ds_capture.cache.writer as writer
 from ds_capture.cache.format import IDENTITY_FIELDS, Manifest, shard_name
+from ds_capture.cache.shard_file import file_digest
 from ds_capture.cache.writer import (
     prepare_output_dir,
     read_recorded_checksum,
@@ -37,28 +38,48 @@ def test_writes_byte_identical_files_from_nemo_values(name, tmp_path):
         assert (tmp_path / file).read_bytes() == (ref / file).read_bytes(), file
 
 
-def test_write_shard_records_sha256_sidecar(tmp_path):
+def test_write_shard_records_tagged_checksum_sidecar(tmp_path):
     manifest = make_manifest()
     write_shard(tmp_path, 1, make_shard_tensors(manifest, 1), manifest)
-    digest = sha256_file(tmp_path / "shard-000001.safetensors")
-    sidecar = tmp_path / ".ds_capture" / "checksums" / "shard-000001.sha256"
+    digest = file_digest(tmp_path / "shard-000001.safetensors")
+    assert digest.startswith("xxh3-128-rows:") and len(digest) == len("xxh3-128-rows:") + 32
+    sidecar = tmp_path / ".ds_capture" / "checksums" / "shard-000001.checksum"
     assert sidecar.read_text() == f"{digest}  shard-000001.safetensors\n"
     assert read_recorded_checksum(tmp_path, 1) == digest and read_recorded_checksum(tmp_path, 0) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ds_capture", "shard-000001.safetensors"]
 
 
+def test_an_earlier_versions_sha256_sidecar_still_counts_and_is_replaced_on_rewrite(tmp_path):
+    manifest = make_manifest()
+    write_cache(tmp_path, manifest, complete=False)
+    checksums = tmp_path / ".ds_capture" / "checksums"
+    # What the previous writer left: sha256sum lines under shard-NNNNNN.sha256.
+    for i in range(3):
+        (checksums / f"shard-00000{i}.checksum").unlink()
+        (checksums / f"shard-00000{i}.sha256").write_text(f"{sha256_file(tmp_path / shard_name(i))}  {shard_name(i)}\n")
+    assert read_recorded_checksum(tmp_path, 0) == f"sha256:{sha256_file(tmp_path / shard_name(0))}"
+    assert prepare_output_dir(tmp_path, manifest) == {0, 1, 2}
+    (checksums / "shard-000001.sha256").write_text("0" * 64 + "  shard-000001.safetensors\n")
+    assert prepare_output_dir(tmp_path, manifest) == {0, 2}
+    write_shard(tmp_path, 1, make_shard_tensors(manifest, 1), manifest)
+    assert sorted(p.name for p in checksums.iterdir()) == ["shard-000000.sha256", "shard-000001.checksum",
+                                                            "shard-000002.sha256"]
+
+
 def test_write_shard_leaves_nothing_under_final_name_when_write_fails(tmp_path, monkeypatch):
     manifest = make_manifest()
+    real_pwrite, calls = os.pwrite, []
 
-    def dying_save_file(tensors, path):
-        with open(path, "wb") as f:
-            f.write(b"half a shard")
-        raise OSError("disk full")
+    def dying_pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 3:  # the header and two rows are written, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(writer, "save_file", dying_save_file)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(os, "pwrite", dying_pwrite)
+    with pytest.raises(OSError, match="No space left"):
         write_shard(tmp_path, 0, make_shard_tensors(manifest, 0), manifest)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and len(calls) == 3
 
 
 def test_write_atomic_keeps_old_file_on_failure(tmp_path):
@@ -167,10 +188,10 @@ def test_prepare_continues_incomplete_run_with_only_valid_shards(tmp_path):
     data = bytearray(shard(2).read_bytes())
     data[-1] ^= 0xFF
     shard(2).write_bytes(bytes(data))
-    (tmp_path / ".ds_capture" / "checksums" / "shard-000003.sha256").unlink()
+    (tmp_path / ".ds_capture" / "checksums" / "shard-000003.checksum").unlink()
     shard(4).unlink()
     (tmp_path / "shard-000004.safetensors.tmp").write_bytes(b"partial")
-    (tmp_path / ".ds_capture" / "checksums" / "shard-000004.sha256.tmp").write_text("x")
+    (tmp_path / ".ds_capture" / "checksums" / "shard-000004.checksum.tmp").write_text("x")
 
     assert prepare_output_dir(tmp_path, manifest) == {0, 5}
     assert not list(tmp_path.rglob("*.tmp"))
@@ -185,8 +206,8 @@ def test_prepare_rejects_shard_with_wrong_layout_even_if_checksum_matches(tmp_pa
     wrong = make_manifest(num_samples=12)  # shard 2 as if it had 4 rows
     tensors = make_shard_tensors(wrong, 2)
     writer.write_atomic(tmp_path / shard_name(2), lambda tmp: writer.save_file(tensors, tmp))
-    digest = sha256_file(tmp_path / shard_name(2))
-    (tmp_path / ".ds_capture" / "checksums" / "shard-000002.sha256").write_text(f"{digest}  shard-000002.safetensors\n")
+    digest = file_digest(tmp_path / shard_name(2))
+    (tmp_path / ".ds_capture" / "checksums" / "shard-000002.checksum").write_text(f"{digest}  shard-000002.safetensors\n")
     assert prepare_output_dir(tmp_path, manifest) == {0, 1}
 
 

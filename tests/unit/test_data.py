@@ -82,8 +82,7 @@ def test_sharegpt_and_list_of_parts_are_normalised(tmp_path):
             "conversations": [
                 {"from": "system", "value": "be brief"},
                 {"from": "human", "value": "hi"},
-                {"from": "gpt", "value": "hello"},
-                {"from": "tool", "value": "42"},
+                {"from": "gpt", "value": "hello", "weight": 1},
             ]
         },
         {
@@ -100,8 +99,7 @@ def test_sharegpt_and_list_of_parts_are_normalised(tmp_path):
         [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"},
-            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "hello"},  # NeMo keeps only role and content of a ShareGPT turn
         ],
         [
             {"role": "user", "content": "two parts"},
@@ -201,6 +199,7 @@ def test_bad_row_in_parquet_names_the_row(tmp_path):
 U = {"role": "user", "content": "hi"}
 A = {"role": "assistant", "content": "yo"}
 S = {"role": "system", "content": "sys"}
+TC = {"function": {"name": "f", "arguments": "{}"}}
 
 
 @pytest.mark.parametrize(
@@ -216,22 +215,41 @@ S = {"role": "system", "content": "sys"}
         ({"messages": [U, {"role": "wizard", "content": "x"}]}, "line 2: message 2 has unknown role 'wizard'. "
          "Valid roles: system, user, assistant, tool."),
         ({"conversations": [{"from": "alien", "value": "x"}]}, "line 2: message 1 has unknown role 'alien'. "
-         "Valid roles: assistant, bot, chatgpt, gpt, human, model, system, tool, user."),
-        ({"messages": [S, S, U]}, "line 2: message 2 is a second system message. A conversation may have one "
-         "system message, as its first message; merge the system messages into one."),
-        ({"messages": [U, S, A]}, "line 2: message 2 is a system message after other messages. The system "
-         "message must be the first message; move it to the front."),
-        ({"messages": [U, {"role": "assistant", "content": 3}]}, "line 2: message 2 (assistant) has content of "
-         "type int; content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts. Convert it "
-         "to text."),
-        ({"messages": [{"role": "user", "content": None}]}, "line 2: message 1 (user) has content of type "
-         "NoneType; content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts. Convert it "
-         "to text."),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "line 2: "
-         "message 1 (user): content part 1 is not a text part. Content lists may hold only {\"type\": \"text\", "
-         "\"text\": ...} parts; drop the other parts."),
+         "Valid ShareGPT roles: assistant, bot, chatgpt, gpt, human, model, system, user (NeMo AutoModel converts "
+         "plain-chat turns only; write tool-calling rows as OpenAI `messages`)."),
+        ({"conversations": [{"from": "tool", "value": "x"}]}, "line 2: message 1 has unknown role 'tool'. "
+         "Valid ShareGPT roles: assistant, bot, chatgpt, gpt, human, model, system, user (NeMo AutoModel converts "
+         "plain-chat turns only; write tool-calling rows as OpenAI `messages`)."),
+        ({"messages": [S, U, S, A]}, "line 2: message 3 is a second system message. NeMo AutoModel supports one "
+         "system message per conversation; merge the system messages into one."),
+        ({"messages": [U, {"role": "user", "content": [{"type": "text", "text": None}]}]}, "line 2: message 2 "
+         "(user): content part 1 has `text` of type NoneType; a part's text must be a string (drop the `text` key "
+         "from non-text parts, e.g. Arrow-unified image parts)."),
         ({"messages": [U, {"role": "assistant", "content": "a", "reasoning_content": ["r"]}]}, "line 2: message 2 "
          "(assistant) has reasoning_content of type list; it must be a string. Convert it to text."),
+        ({"messages": [U, {"role": "assistant", "content": None, "tool_calls": None}]}, "line 2: message 2 "
+         "(assistant): `tool_calls` must be a list of tool calls, got null. Remove the key from messages without "
+         "tool calls (NeMo AutoModel refuses a null `tool_calls`)."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [[1]]}]}, "line 2: message 2 (assistant): "
+         "`tool_calls[0]` must be an object, got list."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [{"id": 7, "function": {}}]}]}, "line 2: message 2 "
+         "(assistant): `tool_calls[0].id` must be a string when given, got int."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [{"type": 1, "function": {}}]}]}, "line 2: message 2 "
+         "(assistant): `tool_calls[0].type` must be a string when given, got int."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{}"}]}]}, "line 2: "
+         "message 2 (assistant): `tool_calls[0].function` must be an object with `name` and `arguments`, got null."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [TC, {"function": {"name": "", "arguments": "{}"}}]}]},
+         "line 2: message 2 (assistant): `tool_calls[1].function.name` must be a non-empty string, got ''."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]}, "line 2: message 2 "
+         "(assistant): `tool_calls[0].function.arguments` is required (use \"{}\" for a call without arguments)."),
+        ({"messages": [U, {"role": "assistant", "tool_calls": [TC]}, {"role": "tool", "content": "4"}]}, "line 2: "
+         "message 3 (tool): `tool_call_id` must be a non-empty string, got null. Set it to the `id` of the "
+         "assistant tool call this message answers."),
+        ({"messages": [U, A], "tools": "[{"}, "line 2: `tools` is a string but not valid JSON (Expecting property "
+         "name enclosed in double quotes at column 3). Store the tool definitions as a list, or as the JSON text of "
+         "one."),
+        ({"messages": [U, A], "tools": {"name": "f"}}, "line 2: `tools` must be a list of tool definitions (or the "
+         "JSON text of one), got dict."),
         ({"messages": [U, "hello"]}, "line 2: message 2 must be an object with `role` and `content`, got str."),
     ],
 )

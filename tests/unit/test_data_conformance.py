@@ -1,7 +1,7 @@
 """tokenize_conversations against NeMo AutoModel 0.7.0's reference caches (input_ids and loss_mask exact),
 plus loss masks per template kind and flag, truncation, padding, and the chat-template helpers.
 
-Uses the fixture's tokenizer (shared/fixtures/nemo_dspark_v1/target); skipped where the fixtures are absent.
+Uses the fixture's tokenizer (tests/fixtures/nemo_dspark_v1/target, checked in).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from ds_capture.data import (
 )
 from ds_capture.errors import CaptureError
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "nemo_dspark_v1"
-needs_fixtures = pytest.mark.skipif(not (FIXTURES / "target").is_dir(), reason="NeMo reference fixtures absent")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_dspark_v1"
 
 
 def _nemo_args(cache: str) -> list[str]:
@@ -38,8 +37,6 @@ def _arg(argv: list[str], flag: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (FIXTURES / "target").is_dir():
-        pytest.skip("NeMo reference fixtures absent")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(FIXTURES / "target")
@@ -48,8 +45,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def plain_template() -> str:
     """The fixture's marker-free override template (same text, no {% generation %})."""
-    if not (FIXTURES / "target").is_dir():
-        pytest.skip("NeMo reference fixtures absent")
     return _arg(_nemo_args("cache_bf16_plain_masked"), "--chat-template")
 
 
@@ -64,7 +59,6 @@ def _load_cache(cache: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- NeMo reference caches
 
 
-@needs_fixtures
 @pytest.mark.parametrize("cache", ["cache_fp32", "cache_bf16_plain_masked"])
 def test_reference_cache_ids_and_masks(tokenizer, cache):
     argv = _nemo_args(cache)
@@ -90,7 +84,6 @@ def test_reference_cache_ids_and_masks(tokenizer, cache):
     assert int(rows.loss_mask.sum()) == int(expected["loss_mask"].sum()) > 0
 
 
-@needs_fixtures
 def test_plain_template_without_flags_differs_from_reference(tokenizer, plain_template):
     # Without mask_generation_prompt the marker-free path supervises "<|im_start|>assistant\n" too.
     conversations = read_conversations(str(FIXTURES / "data.jsonl"), split=None, shuffle_seed=42)
@@ -127,7 +120,6 @@ def _supervised_runs(tokenizer, rows: TokenizedRows, i: int = 0) -> list[str]:
     return runs + ([tokenizer.decode(current)] if current else [])
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "kind, mask_reasoning, mask_prompt, expected",
     [
@@ -151,20 +143,30 @@ def test_loss_mask_per_template_and_flag(tokenizer, plain_template, kind, mask_r
     assert int(rows.num_tokens[0]) == 57
 
 
-@needs_fixtures
-@pytest.mark.parametrize("kind", ["markers", "plain"])
-def test_row_without_assistant_is_kept_unsupervised(tokenizer, plain_template, kind):
-    template = tokenizer.chat_template if kind == "markers" else plain_template
+def test_row_without_assistant_is_kept_unsupervised_under_markers(tokenizer):
     rows = tokenize_conversations(
-        [[{"role": "user", "content": "qe"}], CONVERSATION], tokenizer, chat_template=template, seq_length=32,
-        mask_reasoning_content=True, mask_generation_prompt=True,
+        [[{"role": "user", "content": "qe"}], CONVERSATION], tokenizer, chat_template=tokenizer.chat_template,
+        seq_length=32, mask_reasoning_content=True, mask_generation_prompt=True,
     )
     assert len(rows) == 2
     assert rows.loss_mask[0].sum() == 0 and rows.num_tokens[0] == 7  # <|im_start|> user \n q e <|im_end|> \n
     assert rows.loss_mask[1].sum() > 0
 
 
-@needs_fixtures
+def test_row_without_assistant_is_refused_without_markers(tokenizer, plain_template):
+    # NeMo 0.7.0's _build_multiturn_assistant_mask asserts "At least one assistant message is required".
+    with pytest.raises(CaptureError) as err:
+        tokenize_conversations(
+            [CONVERSATION, [{"role": "user", "content": "qe"}]], tokenizer, chat_template=plain_template,
+            seq_length=32, mask_reasoning_content=False, mask_generation_prompt=False,
+        )
+    assert str(err.value) == (
+        "conversation 2: the conversation has no assistant message, and the chat template has no "
+        "{% generation %} markers, so NeMo AutoModel refuses to build its answer-only loss mask. Remove the row, "
+        "or use a template with {% generation %}...{% endgeneration %} markers."
+    )
+
+
 def test_leading_assistant_turn_without_markers(tokenizer, plain_template):
     conversation = [{"role": "assistant", "content": "qe"}, {"role": "user", "content": "fi"}]
     rows = tokenize_conversations(
@@ -176,7 +178,6 @@ def test_leading_assistant_turn_without_markers(tokenizer, plain_template):
     assert rows.loss_mask[0, 0] == 1
 
 
-@needs_fixtures
 def test_template_that_rewrites_history_is_refused(tokenizer):
     template = (
         "{{- messages | length }}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content"
@@ -190,16 +191,16 @@ def test_template_that_rewrites_history_is_refused(tokenizer):
         )
     assert str(err.value) == (
         "conversation 1: rendering its first 1 message(s) alone does not reproduce the start of the whole "
-        "rendered conversation (the chat template rewrites earlier turns), so assistant spans cannot be found "
-        "from conversation prefixes. Use a chat template that wraps assistant turns in "
-        "{% generation %}...{% endgeneration %}."
+        "rendered conversation: the chat template rewrites earlier turns from later ones (Qwen3's stock template "
+        "drops the <think> blocks of earlier turns), so NeMo AutoModel refuses to find assistant spans from "
+        "conversation prefixes. Set recipe_args.chat_template to a template that wraps assistant turns in "
+        "{% generation %}...{% endgeneration %}, or to one that renders every turn the same whatever follows it."
     )
 
 
 # ----------------------------------------------------------------------------- truncation and padding
 
 
-@needs_fixtures
 @pytest.mark.parametrize("kind", ["markers", "plain"])
 def test_truncation_keeps_the_first_s_tokens(tokenizer, plain_template, kind):
     template = tokenizer.chat_template if kind == "markers" else plain_template
@@ -223,7 +224,6 @@ def test_truncation_keeps_the_first_s_tokens(tokenizer, plain_template, kind):
     assert rows.loss_mask[0, -1] == 1  # the cut assistant turn stays supervised up to S
 
 
-@needs_fixtures
 def test_padding_is_right_side_pad_id_and_unsupervised(tokenizer):
     rows = tokenize_conversations(
         [CONVERSATION[1:3], CONVERSATION], tokenizer, chat_template=tokenizer.chat_template, seq_length=64,
@@ -283,7 +283,6 @@ def test_resolve_chat_template_errors(tmp_path):
     )
 
 
-@needs_fixtures
 def test_fixture_template_file_resolves_to_the_tokenizer_template(tokenizer):
     from_file = resolve_chat_template(tokenizer, str(FIXTURES / "target" / "chat_template.jinja"))
     assert chat_template_sha256(from_file) == chat_template_sha256(resolve_chat_template(tokenizer, None))

@@ -27,8 +27,19 @@ from ds_capture.families import FAMILIES, get_family, read_target_info
 from ds_capture.plan import build_plan
 from ds_capture.runner import _check_family_layout, run_capture
 
-SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25")
-REFERENCE_CLASS = {"kimi_k25": AutoModelForImageTextToText}  # the reference loads what transformers loads
+SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
+                   "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss",
+                   "glm5_next", "llama4")
+# The reference loads what transformers loads: the vision-language class where there is no causal-LM mapping
+# (or the release is that wrapper); Llama 4's wrapper cannot run text only, so its inner causal LM is called.
+IMAGE_TEXT = {"kimi_k25", "qwen3_5_moe", "glm5_next", "llama4"}
+
+
+def reference_model(target: Path, model_type: str) -> torch.nn.Module:
+    """The target as ``from_pretrained`` loads it (fp32, eval), callable with ``input_ids`` only."""
+    reference_class = AutoModelForImageTextToText if model_type in IMAGE_TEXT else AutoModelForCausalLM
+    model = reference_class.from_pretrained(str(target), dtype=torch.float32).eval()
+    return model.language_model if model_type == "llama4" else model
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
 
@@ -140,8 +151,7 @@ def test_single_process_cache_equals_hf_hidden_states(family_target, tmp_path, m
 
     shard = load_file(cache / "shard-000000.safetensors")
     hidden_size = text["hidden_size"]
-    reference_class = REFERENCE_CLASS.get(model_type, AutoModelForCausalLM)
-    model = reference_class.from_pretrained(str(target), dtype=torch.float32).eval()
+    model = reference_model(target, model_type)
     pad_id = config["pad_token_id"] if "pad_token_id" in config else text["pad_token_id"]
     for row, input_ids in enumerate(shard["input_ids"]):
         length = int((input_ids != pad_id).nonzero().max()) + 1  # content = all but the trailing pad run
@@ -209,9 +219,9 @@ def test_multimodal_only_targets_are_refused():
 
 def test_unknown_family_lists_the_supported_ones():
     with pytest.raises(CaptureError) as caught:
-        get_family("gpt_oss")
+        get_family("bloom")
     supported = sorted(name for name, family in FAMILIES.items() if not family.refusal)
-    assert str(caught.value) == (f"config.json: model_type 'gpt_oss' is not a supported target family. "
+    assert str(caught.value) == (f"config.json: model_type 'bloom' is not a supported target family. "
                                  f"Supported: {', '.join(supported)}.")
     assert {"deepseek_v4", "glm_moe_dsa", "gemma4", "mixtral", "qwen3", "deepseek_v3"} <= set(supported)
 
@@ -225,11 +235,8 @@ def _autotp_refusal(what: str, model_type: str) -> str:
 @pytest.mark.parametrize("model_type, tp_size, ep_size, message", [
     ("deepseek_v4", 2, 1, _autotp_refusal("the attention compressor", "deepseek_v4")),
     ("deepseek_v4", 2, 2, _autotp_refusal("the attention compressor", "deepseek_v4")),
-    ("glm_moe_dsa", 2, 1, _autotp_refusal("the DSA indexer (self_attn.indexer.wk)", "glm_moe_dsa")),
-    ("gemma4", 2, 1, "tp_size 2: DeepSpeed AutoTP mis-shards the per-layer input gate (per_layer_input_gate) of "
-                     "model_type 'gemma4' (the sharded forward dies with shape errors), so this family has no "
-                     "tensor-parallel layout. Keep tp_size 1 and scale with data parallelism, or shard every "
-                     "parameter over the ranks with engine: fsdp2."),
+    ("glm_moe_dsa", 2, 2, None),  # our own head-parallel MLA plan (AutoTP mis-shards its DSA indexer)
+    ("gemma4", 2, 1, None),  # our own head-parallel plan (AutoTP mis-shards its per-layer input gate)
     ("deepseek_v4", 1, 2, None),
     ("glm_moe_dsa", 1, 2, None),
     ("mixtral", 2, 2, None),
@@ -259,20 +266,123 @@ def test_gemma4_expert_parallel_is_refused_as_dense(family_target):
         "which the expert-parallel layer does not handle.")
 
 
-@pytest.mark.parametrize("model_type, where", [("deepseek_v3", ""), ("kimi_k25", "text_config.")])
-def test_quantized_checkpoints_are_refused_before_loading(family_target, tmp_path, model_type, where):
-    """FP8 / INT4 releases carry quantization_config; the loaders copy plain tensors, so they are refused."""
+@pytest.mark.parametrize("model_type, where, method", [("deepseek_v3", "", "awq"), ("kimi_k25", "text_config.", "gptq"),
+                                                      ("qwen3_moe", "", "bitsandbytes"), ("qwen3_moe", "", "mxfp4")])
+def test_unsupported_quantization_is_refused_before_loading(family_target, tmp_path, model_type, where, method):
+    """Only methods the loader dequantizes (engine/quant.py) pass; the others are named with what is supported."""
     target = tmp_path / model_type
     target.mkdir()
     config = json.loads((family_target(model_type) / "config.json").read_text())
     section = config["text_config"] if where else config
-    section["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    section["quantization_config"] = {"quant_method": method, "bits": 4}
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CaptureError) as caught:
         read_target_info(target)
     assert str(caught.value) == (
-        f"{target / 'config.json'}: {where}quantization_config says the weights are quantized (quant_method 'fp8'). "
-        "ds_capture loads bf16 / fp16 / fp32 checkpoints and computes the target in capture.compute_dtype; it does "
-        "not dequantize. Convert the checkpoint to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py for FP8 releases), "
-        "drop quantization_config from config.json, and point recipe_args.target_model_name_or_path at the "
-        "converted directory.")
+        f"{target / 'config.json'}: {where}quantization_config has quant_method {method!r}, which ds_capture cannot "
+        "dequantize. Supported: fp8 (block FP8 with weight_scale_inv / DeepSeek-V4 .scale, FP4 e2m1 experts with "
+        "e8m0 scales) and compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8). Use a release in "
+        "one of those formats or a bf16 / fp16 / fp32 checkpoint (if the tensors already are bf16, drop "
+        "quantization_config from config.json).")
+
+
+# ------------------------------------------------------------------------------------ today's drafter targets
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "glm5_next", "llama4"])
+def test_release_wrapper_loads_its_text_decoder_only(family_target, model_type):
+    """Released as vision-language wrappers: the sliced loader fills exactly what from_pretrained loads for the
+    text decoder, and reads none of the vision tower's bytes (Llama 4: its text model built from text_config,
+    the `language_model.` keys stripped, the vision tower and projector keys skipped)."""
+    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+
+    target = family_target(model_type)
+    info = read_target_info(target)
+    weight_map = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    vision = {"qwen3_5_moe": "model.visual.", "glm5_next": "model.visual.", "llama4": "vision_model."}[model_type]
+    assert any(key.startswith(vision) for key in weight_map)
+    meta = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
+    stats = load_owned_parameters(meta, info)
+    loaded = meta.state_dict()
+    assert not any(name.startswith(vision) or ".visual." in name for name in loaded)
+    expected = reference_model(target, model_type).state_dict()
+    assert set(loaded) <= set(expected)
+    assert all(torch.equal(expected[name], loaded[name]) for name in loaded), model_type
+    persistent = {name for name, _ in meta.named_parameters()} | {
+        name for module_name, module in meta.named_modules() for name in (
+            f"{module_name}.{leaf}" if module_name else leaf for leaf in module._buffers
+            if leaf not in module._non_persistent_buffers_set)}
+    assert stats.bytes_read == sum(loaded[name].numel() * loaded[name].element_size() for name in persistent)
+
+
+def test_gpt_oss_computes_eager_attention_only(family_target):
+    family = get_family("gpt_oss")
+    assert family.resolve_attn_implementation(None) == "eager"
+    assert family.resolve_attn_implementation("eager") == "eager"
+    with pytest.raises(CaptureError) as caught:
+        family.resolve_attn_implementation("sdpa", source="run.yaml")
+    assert str(caught.value) == (
+        "run.yaml: `recipe_args.target_attn_implementation` 'sdpa': model_type 'gpt_oss' computes attention with "
+        "'eager' only (its attention sinks are in transformers' eager attention; sdpa does not support them). Set "
+        "it to 'eager' or leave it unset.")
+    assert get_family("qwen3").resolve_attn_implementation("sdpa") == "sdpa"  # any, where the family allows any
+    from ds_capture.engine.loading import build_meta_model
+
+    model = build_meta_model(read_target_info(family_target("gpt_oss")), dtype=torch.float32, attn_implementation=None)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_gpt_oss_sdpa_is_refused_before_loading(family_target, tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+        target_model_name_or_path=str(family_target("gpt_oss")), train_data_path="demo:conversations",
+        train_split="train[:2]", cache_output_dir=str(tmp_path / "cache"), seq_length=16, micro_batch_size=2,
+        cache_shard_size=2, target_attn_implementation="sdpa")}))
+    with pytest.raises(CaptureError, match=r"run.yaml: `recipe_args.target_attn_implementation` 'sdpa': model_type "
+                                           r"'gpt_oss' computes attention with 'eager' only"):
+        run_capture(load_config(recipe), show_progress=False)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("model_type, tp_size, ep_size, message", [
+    ("llama4", 1, 2, "ep_size 2: Llama 4's experts (feed_forward.experts) take every token pre-weighted by its "
+                     "router score through all experts densely (no (hidden, top_k_index, top_k_weights) call), "
+                     "which the expert-parallel layer cannot split exactly. Keep ep_size 1 (use data parallelism, "
+                     "or engine: fsdp2)."),
+    ("llama4", 2, 1, "tp_size 2: DeepSpeed AutoTP replaces the router (feed_forward.router, a linear layer returning "
+                     "(scores, logits)) of model_type 'llama4' with a plain linear layer, so the sharded forward dies "
+                     "unpacking it and this family has no tensor-parallel layout. Keep tp_size 1 and scale with data "
+                     "parallelism, or shard every parameter over the ranks with engine: fsdp2."),
+    ("qwen3_next", 2, 1, "tp_size 2: DeepSpeed AutoTP column-splits the shared-expert gate (mlp.shared_expert_gate) "
+                         "of model_type 'qwen3_next', a linear layer with a single output, which leaves a rank an "
+                         "empty shard, so this family has no tensor-parallel layout. Keep tp_size 1 and shard the "
+                         "routed experts with ep_size instead (data parallel x expert parallel)."),
+    ("gpt_oss", 2, 2, _autotp_refusal("the per-head attention sinks (self_attn.sinks)", "gpt_oss")),
+    ("glm5_next", 2, 1, _autotp_refusal("the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)", "glm5_next")),
+    ("glm4_moe", 2, 2, None),
+    ("glm5_next", 1, 2, None),
+    ("llama4", 1, 1, None),
+])
+def test_new_family_layout_refusals(family_target, model_type, tp_size, ep_size, message):
+    target = read_target_info(family_target(model_type))
+    if message is None:
+        _check_family_layout(target, tp_size, ep_size)
+        return
+    with pytest.raises(CaptureError) as caught:
+        _check_family_layout(target, tp_size, ep_size)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("model_type, start", [
+    ("deepseek_v41", "config.json: model_type 'deepseek_v41' (DeepSeek-V4.1) has no transformers implementation, and "
+                     "NeMo AutoModel 0.7.0's DeepseekV41ForCausalLM"),
+    ("kimi_k3", "config.json: model_type 'kimi_k3' (Kimi K3) has no transformers implementation, and NeMo AutoModel "
+                "0.7.0's Kimi K3 model computes its KDA layers with the flash-linear-attention (fla) Triton kernels"),
+])
+def test_nemo_only_targets_are_refused_with_the_reason(tmp_path, model_type, start):
+    """Refused from config.json alone, before transformers is asked to read a config it does not know."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CaptureError) as caught:
+        read_target_info(tmp_path)
+    assert str(caught.value).startswith(f"{tmp_path / 'config.json'}: {start.removeprefix('config.json: ')}")
+    assert FAMILIES[model_type].refusal

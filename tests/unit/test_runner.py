@@ -41,20 +41,17 @@ def hash_cache(root: Path) -> dict[str, str]:
             if not name.startswith(".ds_capture/") or name.startswith(".ds_capture/checksums/")}
 
 
-def patch_write_shard(monkeypatch, replacement) -> None:
-    """Replace ``write_shard`` where the capture loop calls it (the runner or its async shard writer)."""
-    import importlib
+_REAL_FINISH: dict = {}
 
-    patched = 0
-    for module_name in ("ds_capture.runner", "ds_capture.cache.async_writer"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, "write_shard"):
-            monkeypatch.setattr(module, "write_shard", replacement)
-            patched += 1
-    assert patched, "write_shard is called from neither the runner nor the async writer"
+
+def patch_finish_shard(monkeypatch, replacement) -> None:
+    """Replace ``DSparkShards.finish`` (where the capture loop publishes each shard): ``replacement(self, index,
+    shard, real_finish)``."""
+    from ds_capture.cache.writer import DSparkShards
+
+    # A second patch in one test wraps the real method, not the first patch.
+    real_finish = _REAL_FINISH.setdefault("finish", DSparkShards.finish)
+    monkeypatch.setattr(DSparkShards, "finish", lambda self, index, shard: replacement(self, index, shard, real_finish))
 
 
 def capture(tmp_dir: Path, name: str = "recipe.yaml", **recipe_args):
@@ -335,17 +332,15 @@ def test_paths_are_identity_too(base_run, tmp_path, kind):
 def test_a_crashed_run_is_continued_to_the_same_bytes(base_run, tmp_path, monkeypatch):
     cache, args = base_run
     work = tmp_path / "cache"
-    from ds_capture.cache.writer import write_shard as real_write_shard
-
     written = []
 
-    def write_one_then_crash(*a, **k):
+    def write_one_then_crash(self, index, shard, real_finish):
         if written:
             raise RuntimeError("simulated crash")
-        written.append(a[1])
-        return real_write_shard(*a, **k)
+        written.append(index)
+        return real_finish(self, index, shard)
 
-    patch_write_shard(monkeypatch, write_one_then_crash)
+    patch_finish_shard(monkeypatch, write_one_then_crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         capture(tmp_path, **{**args, "cache_output_dir": str(work)})
     assert json.loads((work / "manifest.json").read_text())["complete"] is False
@@ -353,7 +348,7 @@ def test_a_crashed_run_is_continued_to_the_same_bytes(base_run, tmp_path, monkey
     assert not verify_cache(work).ok
 
     calls = []
-    patch_write_shard(monkeypatch, lambda *a, **k: calls.append(a[1]) or real_write_shard(*a, **k))
+    patch_finish_shard(monkeypatch, lambda self, index, shard, real: calls.append(index) or real(self, index, shard))
     summary = capture(tmp_path, **{**args, "cache_output_dir": str(work)})
     assert calls == [1, 2]
     assert (summary.shards_written, summary.shards_skipped) == (2, 1)
@@ -367,10 +362,8 @@ def test_a_deleted_shard_of_an_incomplete_cache_is_recomputed(base_run, tmp_path
     (work / "shard-000001.safetensors").unlink()
     manifest = Manifest.from_json((work / "manifest.json").read_text(), "manifest.json")
     write_manifest(work, manifest.with_complete(False))
-    from ds_capture.cache.writer import write_shard as real_write_shard
-
     calls = []
-    patch_write_shard(monkeypatch, lambda *a, **k: calls.append(a[1]) or real_write_shard(*a, **k))
+    patch_finish_shard(monkeypatch, lambda self, index, shard, real: calls.append(index) or real(self, index, shard))
     summary = capture(tmp_path, **{**args, "cache_output_dir": str(work)})
     assert calls == [1]
     assert (summary.shards_written, summary.shards_skipped) == (1, 2)
@@ -393,14 +386,15 @@ GOOD_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
      "{data} line 2: message 1 has unknown role 'robot'. Valid roles: system, user, assistant, tool."),
     ([json.dumps({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
                                {"role": "user", "content": "c"}]})],
-     "{data} line 1: message 2 is a second system message. A conversation may have one system message, as its "
-     "first message; merge the system messages into one."),
-    ([json.dumps(GOOD_ROW), json.dumps(GOOD_ROW), json.dumps({"messages": [{"role": "user", "content": 5}]})],
-     "{data} line 3: message 1 (user) has content of type int; content must be a string or a list of "
-     "{{\"type\": \"text\", \"text\": ...}} parts. Convert it to text."),
+     "{data} line 1: message 2 is a second system message. NeMo AutoModel supports one system message per "
+     "conversation; merge the system messages into one."),
+    ([json.dumps(GOOD_ROW), json.dumps(GOOD_ROW), json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]})],
+     "{data} line 3: message 2 (assistant): `tool_calls[0].function.arguments` is required (use \"{{}}\" for a "
+     "call without arguments)."),
     ([],
      "{data}: the dataset has no rows. Add rows to the dataset or widen the split."),
-], ids=["malformed_json", "no_messages", "unknown_role", "two_system", "non_string_content", "empty"])
+], ids=["malformed_json", "no_messages", "unknown_role", "two_system", "tool_call_without_arguments", "empty"])
 def test_bad_rows_exit_2_and_write_nothing(tiny_target, write_recipe, tmp_path, capsys, lines, expected):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(line + "\n" for line in lines))

@@ -13,7 +13,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import ds_capture.cache.async_writer as async_writer
 from ds_capture.cache.format import BOOKKEEPING_DIR
 from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
@@ -54,9 +53,9 @@ def caches(recipe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     """One run per path: default (trimmed + sorted, async), fixed padding, and the synchronous writer."""
     root = tmp_path_factory.mktemp("caches")
     outs = {"trimmed": root / "trimmed", "fixed": root / "fixed", "sync": root / "sync"}
-    run(recipe, outs["trimmed"], "capture.writer_queue_shards=2")
+    run(recipe, outs["trimmed"], "capture.writer_buffer_mib=1")
     run(recipe, outs["fixed"], *FIXED)
-    run(recipe, outs["sync"], "capture.writer_queue_shards=0")
+    run(recipe, outs["sync"], "capture.writer_buffer_mib=0")
     return outs
 
 
@@ -153,27 +152,26 @@ def test_progress_counts_reach_num_samples(recipe, tmp_path, monkeypatch):
     assert summary.num_samples == NUM_SAMPLES and summary.num_tokens > 0
 
 
-@pytest.mark.parametrize("queue_shards", [2, 0])
-def test_writer_error_stops_the_run_without_a_final_shard(recipe, tmp_path, monkeypatch, queue_shards):
-    real_write_shard = async_writer.write_shard
+@pytest.mark.parametrize("buffer_mib", [1, 0])
+def test_writer_error_stops_the_run_without_a_final_shard(recipe, tmp_path, monkeypatch, buffer_mib):
+    import os
+
+    from ds_capture.cache.shard_file import ShardFile
+
+    real_write_rows = ShardFile.write_rows
     failing = 1
 
-    def write_shard(out_dir, index, tensors, manifest):
-        if index == failing:
+    def write_rows(self, rows, tensors, num_tokens):
+        if self.path.name == f"shard-{failing:06d}.safetensors":
             # Fail half-way, as a full disk does: the temporary file exists when the error hits.
-            def partial(tmp):
-                tmp.write_bytes(b"partial")
-                raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+            assert self.tmp.exists()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.tmp))
+        return real_write_rows(self, rows, tensors, num_tokens)
 
-            from ds_capture.cache.writer import shard_name, write_atomic
-
-            write_atomic(Path(out_dir) / shard_name(index), partial)
-        return real_write_shard(out_dir, index, tensors, manifest)
-
-    monkeypatch.setattr(async_writer, "write_shard", write_shard)
+    monkeypatch.setattr(ShardFile, "write_rows", write_rows)
     out = tmp_path / "out"
     with pytest.raises(CaptureError, match="disk is full") as caught:
-        run(recipe, out, f"capture.writer_queue_shards={queue_shards}")
+        run(recipe, out, f"capture.writer_buffer_mib={buffer_mib}")
     assert str(out) in str(caught.value)
     assert not (out / f"shard-{failing:06d}.safetensors").exists()
     assert not list(out.glob("*.tmp"))
