@@ -237,18 +237,19 @@ def micro_batch_bytes(*, micro_batch_size: int, seq_length: int, hidden_size: in
     return micro_batch_size * per_row
 
 
-def writer_memory(micro_batch: int, *, is_writer: bool) -> tuple[Term, Term]:
+def writer_memory(micro_batch: int, *, is_writer: bool, buffer_bytes: int) -> tuple[Term, Term]:
     """(device, host) memory of one rank's shard writer.
 
-    The writer model: captured states leave the device right after each forward (nothing queued holds device
-    memory beyond the current forward's captures, counted in :func:`capture_terms`); the host holds at most
-    two micro-batches of states in flight plus pinned staging buffers of one micro-batch. Only the tp-rank-0 of
-    each DP group writes. Adjust here if the writer's bounds change.
+    The writer (``capture.writer_buffer_mib``): captured states leave the device right after each forward
+    (nothing waiting to be written holds device memory beyond the current forward's captures, counted in
+    :func:`capture_terms`); the host holds the micro-batches waiting to be written in buffers (pinned on CUDA)
+    bounded by ``buffer_bytes``, at least one micro-batch whatever the setting, and never a whole shard. Only the
+    tp-rank-0 of each DP group writes. Adjust here if the writer's bounds change.
     """
     if not is_writer:
         return Term("writer (device)", 0), Term("writer (host)", 0, "not a writing rank")
     return (Term("writer (device)", 0, "states leave the device after each forward"),
-            Term("writer (host)", 3 * micro_batch, "2 micro-batches in flight + 1 pinned staging micro-batch"))
+            Term("writer (host)", max(buffer_bytes, micro_batch), "capture.writer_buffer_mib, at least one micro-batch"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -252,7 +252,8 @@ class Sizer:
                 by_role[role] = (self._fsdp2_params(table, storage, layout.world_size, rank) if fsdp
                                  else self._tp_params(table, storage, tp_rank))
             is_writer = tp_rank == 0
-            device, host = mm.writer_memory(micro_batch, is_writer=is_writer)
+            device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
+                                            buffer_bytes=self.cfg.capture.writer_buffer_mib << 20)
             estimates.append(RankEstimate(
                 rank=rank, tp_rank=tp_rank, ep_rank=rank % layout.ep_size, dp_rank=rank // layout.tp_size,
                 is_writer=is_writer, param_bytes_by_kind=by_role[role], activation_bytes=activation,

@@ -2,9 +2,8 @@
 
 The reference is the engine itself: 2 real gloo ranks (torchrun) build and load tiny targets with the DeepSpeed
 engine (expert parallel + DeepSpeed AutoTP through ``init_inference``, or the family's own TP plan: GLM-MoE-DSA) and
-with FSDP2, and report every local
-parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0 chunk rule) must give the same
-names and the same element counts on each rank.
+with FSDP2, and report every local parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0
+chunk rule) must give the same names and the same element counts on each rank.
 """
 
 from __future__ import annotations
