@@ -129,14 +129,17 @@ class Term:
 
 def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
-                             keys_per_query: float = 1.0, indexer_bytes: int = 0) -> tuple[list[Term], Term]:
+                             keys_per_query: float = 1.0, indexer_bytes: int = 0,
+                             dequantized_experts_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
     transients are not additive: one block runs at a time, so the peak is the stack terms + the largest block.
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
-    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`).
+    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`);
+    ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
+    experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -179,8 +182,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         else:
             routed = expert_math + combine
             note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
-        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c,
-                           note + " + the shared experts"))
+        if dequantized_experts_bytes:
+            note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
+        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
+                           + dequantized_experts_bytes, note + " + the shared experts"))
     return stack, max(blocks, key=lambda term: term.bytes)
 
 

@@ -231,7 +231,8 @@ class Sizer:
             tp_size=layout.tp_size, fp32_row_parallel=self.compute_dtype != "fp32",
             attn_implementation=table.attn_implementation,
             keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
-            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0)
+            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
+            dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
@@ -261,6 +262,15 @@ class Sizer:
                 fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
                 host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
+
+    @staticmethod
+    def _layer_experts_bytes(table: _Table) -> int:
+        """One MoE layer's local routed experts in the compute dtype (tp rank 0; every layer alike)."""
+        per_layer: dict[int | None, int] = defaultdict(int)
+        for entry in table.tensors:
+            if entry.is_expert:
+                per_layer[entry.layer] += entry.numel() * entry.itemsize
+        return max(per_layer.values(), default=0)
 
     @staticmethod
     def _tp_params(table: _Table, storage: mm.ExpertStorage, tp_rank: int) -> dict[str, float]:
