@@ -35,13 +35,13 @@ class ExpertStorage:
     """How the routed experts are held on the device: ``format`` at ``bytes_per_param`` (scales included)."""
 
     format: str
-    """``compute`` (dequantized to the compute dtype), or the checkpoint's own: ``fp8``, ``fp4``, ``int4``."""
+    """``dequantized`` (to the compute dtype), or the checkpoint's own: ``fp8``, ``fp4``, ``int4``."""
     bytes_per_param: float | None = None
-    """None for ``compute`` (the parameter's own dtype size)."""
+    """None for ``dequantized`` (the parameter's own dtype size)."""
     detail: str = ""
 
 
-COMPUTE_STORAGE = ExpertStorage(format="compute", detail="experts dequantized to the compute dtype")
+COMPUTE_STORAGE = ExpertStorage(format="dequantized", detail="experts dequantized to the compute dtype")
 
 
 def checkpoint_expert_storage(quantization: Mapping[str, Any] | None) -> ExpertStorage | None:

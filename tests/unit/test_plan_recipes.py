@@ -20,15 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 GPU_GIB = 79.6  # an 80 GB H100 / A100 as torch reports it
 TINY_RECIPES = {"demo.yaml", "demo_eagle3.yaml", "tiny_moe_tp2_ep2.yaml"}
 # recipe -> (release config, nodes of 8 GPUs, tp_size, ep_size, experts' storage) for every target its header
-# says it serves; the storage is the one capture.expert_storage gives that release (compute: bf16).
+# says it serves; the storage is the one capture.expert_storage gives that release (dequantized: bf16).
 SERVES = {
     "deepseek_v4_flash.yaml": [("deepseek_v4_flash", 1, 1, 8, "fp4")],
     "deepseek_v3_kimi_k2.yaml": [("deepseek_v3", 2, 8, 16, "fp8"), ("kimi_k2", 4, 8, 32, "fp8")],
-    "glm5.yaml": [("glm5_fp8", 4, 1, 32, "fp8"), ("glm5", 8, 1, 64, "compute")],
-    "glm5_tp8_ep32.yaml": [("glm5", 4, 8, 32, "compute")],
-    "glm46.yaml": [("glm46", 2, 8, 16, "compute")],
-    "qwen3_235b_a22b.yaml": [("qwen3_235b_a22b", 1, 4, 8, "compute")],
-    "qwen35.yaml": [("qwen35", 1, 1, 8, "compute")],
+    "glm5.yaml": [("glm5_fp8", 4, 1, 32, "fp8"), ("glm5", 8, 1, 64, "dequantized")],
+    "glm5_tp8_ep32.yaml": [("glm5", 4, 8, 32, "dequantized")],
+    "glm46.yaml": [("glm46", 2, 8, 16, "dequantized")],
+    "qwen3_235b_a22b.yaml": [("qwen3_235b_a22b", 1, 4, 8, "dequantized")],
+    "qwen35.yaml": [("qwen35", 1, 1, 8, "dequantized")],
 }
 
 
