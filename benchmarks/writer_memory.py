@@ -3,8 +3,9 @@ place as their micro-batch completes (after), issue 13.4.
 
 In: the issue-16 target (Qwen3-MoE hidden 256, 3 captured layers: 2 KiB of bf16 states per position), short
 chat rows (so the forwards are cheap) at seq 4096, i.e. 8 MiB of states per row, and shards of
-``--shard-rows`` rows each (default 64, 128, 256, 384: 0.5 to 3 GiB). Each capture is one shard, run as its
-own ``ds-capture run`` process, from this checkout ("after") and from ``--before`` (a checkout of the
+``--shard-rows`` rows each (default 64, 128, 256, 384: 0.5 to 3 GiB). Every capture runs the same 384 rows
+(the largest shard size), so only the shard size changes between them (the rank's tokenised rows, which the
+runner holds whatever the writer, stay the same), each as its own ``ds-capture run`` process, from this checkout ("after") and from ``--before`` (a checkout of the
 earlier writer, e.g. ``git worktree add /tmp/writer_before a7c1052``). Out: one JSON object: per tree and
 shard size the process's peak RSS, and the growth over the smallest shard, against one micro-batch of
 states at full length (the goal: growth <= 2 micro-batches + a fixed amount, whatever the shard size).
@@ -53,7 +54,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             recipe = args.root / f"recipe_{rows}.yaml"
             recipe.write_text(yaml.safe_dump({"recipe_args": dict(
-                target_model_name_or_path=str(work.target), train_data_path=str(data), train_split=f"train[:{rows}]",
+                target_model_name_or_path=str(work.target), train_data_path=str(data),
+                train_split=f"train[:{max(args.shard_rows)}]",
                 cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
                 cache_shard_size=rows, cache_dtype="bf16")}))
             env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=os.environ.get(

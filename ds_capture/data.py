@@ -26,13 +26,15 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ds_capture.errors import CaptureError
-from ds_capture.messages import Conversation, Message, normalize_row  # noqa: F401 - re-exported
-from ds_capture.reading import ChatRows, open_dataset, read_conversations  # noqa: F401 - re-exported
+from ds_capture.messages import Conversation, Message
+from ds_capture.reading import ChatRows, open_dataset, read_conversations
+
+__all__ = ["ChatRows", "Conversation", "Message", "TokenizedRows", "chat_template_sha256", "open_dataset",
+           "pad_token_id", "read_conversations", "resolve_chat_template", "tokenize_conversations"]
 
 logger = logging.getLogger(__name__)
 

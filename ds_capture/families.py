@@ -89,8 +89,8 @@ class Family:
     """A limit of the family's cache the user should know (shown in the README's support table)."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     """Our own tensor-parallel plan instead of AutoTP (:mod:`ds_capture.engine.tensor_parallel`): decoder-layer-
-    relative linear paths -> ``colwise`` (output rows split) / ``rowwise`` (input columns split, fp32 all-reduce);
-    everything else is replicated. Empty: AutoTP shards the family."""
+    relative linear paths -> ``colwise`` (output rows split) / ``gathered`` (input all-gathered, output rows split,
+    output all-gathered: no partial sums); everything else is replicated. Empty: AutoTP shards the family."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:
@@ -174,8 +174,8 @@ _KIMI_K3 = (
 )
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
-# scores every key with all its heads, so it cannot be head-split without changing its top-k), row-parallel o_proj,
-# and the dense / shared-expert MLPs split by their intermediate dim.
+# scores every key with all its heads, so it cannot be head-split without changing its top-k), o_proj gathered, and
+# the dense / shared-expert MLPs split by their intermediate dim (down_proj gathered).
 _DSA_TIES = (
     "the DSA indexer keeps the top index_topk keys by a sum over heads of ReLU'd scores; keys whose scores tie "
     "(exactly 0, common with few indexer heads) are chosen by torch.topk differently for a row padded in a "
@@ -185,17 +185,17 @@ _DSA_TIES = (
     "with 2 indexer heads, {sixteen} with 16 (transformers' default configs have 32 or 64). A batching-independent cache is possible: "
     "micro_batch_size 1 with capture.pad_to_multiple_of 1 forwards every row alone at its own length."
 )
-_MLP_TP_PLAN = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+_MLP_TP_PLAN = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "gathered"}
 _MLA_TP_PLAN = {
-    "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise",
+    "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "gathered",
     **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
     **{f"mlp.shared_experts.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
 }
 
-# Head-parallel grouped-query attention (q / k / v by heads, row-parallel o_proj) and the MLP by its intermediate dim.
+# Head-parallel grouped-query attention (q / k / v by heads, o_proj gathered) and the MLP by its intermediate dim.
 _GQA_TP_PLAN = {
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise", **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
+    "self_attn.o_proj": "gathered", **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
 }
 
 FAMILIES: dict[str, Family] = {

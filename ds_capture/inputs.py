@@ -58,7 +58,12 @@ def checkpoint_files(target_dir: Path) -> list[Path]:
 
 def check_checkpoint_files(target: TargetInfo) -> None:
     """Every safetensors file is complete (header parses, data reaches the size it declares) and stores
-    floating-point tensors (an 8-bit / 4-bit tensor is a quantized checkpoint that config.json does not say)."""
+    floating-point tensors, or quantized weights with their scales (:mod:`ds_capture.engine.quant` decides per
+    tensor from its dtype and scale sibling). An 8-bit / 4-bit tensor with no scale sibling is refused."""
+    from ds_capture.engine import quant
+
+    index: dict[str, Path] = {}
+    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in checkpoint_files(target.path):
         header, data_start = _read_header(path)
         size = path.stat().st_size
@@ -70,15 +75,18 @@ def check_checkpoint_files(target: TargetInfo) -> None:
                 "The download or copy did not finish; fetch the file again."
             )
         for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = meta.get("dtype")
-            if dtype not in _FLOAT_DTYPES and dtype not in _OTHER_OK:
-                raise CaptureError(
-                    f"{path}: tensor {name!r} is stored as {dtype}, which is not a bf16 / fp16 / fp32 weight "
-                    "(8-bit and 4-bit storage means a quantized checkpoint). Convert the checkpoint to bf16 first "
-                    "and point recipe_args.target_model_name_or_path at the converted directory."
-                )
+            if name != "__metadata__":
+                index[name], headers[name] = path, (meta.get("dtype"), tuple(meta.get("shape", ())))
+    logical, parts = quant.logical_keys(index, headers)
+    for name, path in index.items():
+        dtype = headers[name][0]
+        if dtype in _FLOAT_DTYPES or dtype in _OTHER_OK or name in parts or quant.has_scale(index, headers, name):
+            continue
+        raise CaptureError(
+            f"{path}: tensor {name!r} is stored as {dtype}, which is not a bf16 / fp16 / fp32 weight "
+            "(8-bit and 4-bit storage means a quantized checkpoint). Convert the checkpoint to bf16 first "
+            "and point recipe_args.target_model_name_or_path at the converted directory."
+        )
 
 
 def _read_header(path: Path) -> tuple[dict, int]:

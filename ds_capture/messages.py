@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,8 @@ class DroppedParts:
             self.first = where
 
     def warn(self) -> None:
-        if self.count:
+        # Every rank validates every row; rank 0 alone says so (RANK is unset in a single process).
+        if self.count and os.environ.get("RANK", "0") == "0":
             logger.warning(
                 "dropped %d non-text content part(s) (first: %s); NeMo AutoModel keeps only the text of content "
                 "parts, so images and other media never reach the chat template.", self.count, self.first)

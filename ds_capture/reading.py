@@ -102,11 +102,13 @@ def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedPart
         for raw in handle:
             text = _decode(raw, source, offset, number + 1)
             # NeMo splits the decoded file with str.splitlines (U+2028 and friends end a line too).
-            for piece, line in enumerate(text.splitlines()):
+            lines = text.splitlines()
+            for piece, line in enumerate(lines):
                 number += 1
                 if line.strip():
                     if split is None:
-                        normalize_row(_parse_line(line, source, number), f"{path} line {number}", dropped)
+                        row = _parse_line(line, source, number, broken=len(lines) > 1)
+                        normalize_row(row, f"{path} line {number}", dropped)
                     offsets.append(offset)
                     pieces.append(piece)
                     numbers.append(number)
@@ -134,13 +136,17 @@ def _decode(raw: bytes, source: Path, offset: int, number: int) -> str:
         ) from None
 
 
-def _parse_line(line: str, source: Path, number: int) -> Any:
+def _parse_line(line: str, source: Path, number: int, *, broken: bool = False) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
+        hint = (" The line holds a raw Unicode line break (U+2028, U+2029, U+0085, form feed, ...), where NeMo "
+                "AutoModel splits JSONL lines as Python's str.splitlines does; write those characters escaped "
+                "(json.dumps with ensure_ascii=True writes \\u2028)." if broken else "")
+        at = "" if exc.msg.endswith(" at") else " at"  # "Unterminated string starting at" names its own place
         raise CaptureError(
-            f"{source} line {number}: not valid JSON ({exc.msg} at column {exc.colno}). "
-            "Each line of a JSONL file must be one JSON object; fix or delete this line."
+            f"{source} line {number}: not valid JSON ({exc.msg}{at} column {exc.colno}). "
+            f"Each line of a JSONL file must be one JSON object; fix or delete this line.{hint}"
         ) from None
 
 

@@ -161,10 +161,10 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
     kind = select_cache_kind(cfg)
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_capture-load") as pool:
-            # One process: the model loads while the data is read and tokenised (no collective in either,
-            # and both release the GIL for much of their time). Nothing is written until both are done
-            # and every row is valid; a refusal still writes nothing (it is raised once the load returns).
-            model = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
+            # One process: the model loads while the data is read and tokenised (no collective in either;
+            # checkpoint reads, tensor copies and the Rust tokenizer release the GIL). Nothing is written
+            # until every row is valid; a refusal still writes nothing (it is raised once the load returns).
+            loading = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
             # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
             # the rows of its own DP range. Any failure here ends every rank with the first message.
             error, prepared = None, None
@@ -189,7 +189,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
-            return _capture(kind, cfg, target, layer_ids, plan, prepared, model, started=started,
+            return _capture(kind, cfg, target, layer_ids, plan, prepared, loading, started=started,
                             show_progress=show_progress)
     finally:
         if lock is not None:

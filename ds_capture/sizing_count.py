@@ -155,7 +155,7 @@ class Sizer:
         model = build_layout_on_meta(self.target, dtype=TORCH_DTYPES[self.compute_dtype], tp_size=tp_size,
                                      ep_size=ep_size, tp_grain_size=self.tp_grain_size,
                                      attn_implementation=self.cfg.recipe_args.target_attn_implementation)
-        partitions = tensor_partitions(model, tp_size) if tp_size > 1 else {}
+        partitions = tensor_partitions(model) if tp_size > 1 else {}
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
         tensors = []
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):

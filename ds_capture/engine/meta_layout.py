@@ -4,7 +4,7 @@ In:  a :class:`~ds_capture.families.TargetInfo` (only ``config.json`` is read), 
      degrees (``tp_size``, ``ep_size``), or the FSDP2 world size.
 Out: :func:`build_layout_on_meta` -> the meta model exactly as the DeepSpeed engine shapes it on one rank
      (expert parallelism by :func:`~ds_capture.engine.expert_parallel.apply_expert_parallel`, then DeepSpeed
-     AutoTP's own module replacement, or the family's own TP plan where AutoTP mis-shards it), and :func:`tensor_partitions` -> for every parameter and buffer, how it
+     AutoTP's own module replacement), and :func:`tensor_partitions` -> for every parameter and buffer, how it
      is split over the TP ranks (read from the AutoTP layers' published partition metadata, the same metadata
      the loader slices the checkpoint by); :func:`fsdp2_local_rows` is the FSDP2 engine's dim-0 chunk rule.
 
@@ -93,7 +93,7 @@ def build_layout_on_meta(target: TargetInfo, *, dtype: torch.dtype, tp_size: int
         raise CaptureError(f"distributed.tp_size ({tp_size}): {family.tp_refusal} Set distributed.tp_size to 1.")
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model = apply_expert_parallel(model, family, ep_group=None, ep_size=ep_size, ep_rank=0)
-    if tp_size > 1 and family.tp_plan:  # the engine's own plan where AutoTP mis-shards the family
+    if tp_size > 1 and family.tp_plan:  # AutoTP mis-shards this family: the engine applies our own plan
         from ds_capture.engine.tensor_parallel import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, family, tp_group=None, tp_size=tp_size, tp_rank=0)
@@ -117,23 +117,23 @@ class TensorPartition:
         return per_entry * self.sizes[tp_rank]
 
 
-def tensor_partitions(model: nn.Module, tp_size: int) -> dict[str, TensorPartition]:
-    """Parameter name -> its TP split, for every parameter a TP layer shards (absent: whole on every rank).
+def tensor_partitions(model: nn.Module) -> dict[str, TensorPartition]:
+    """Parameter name -> its TP split, for every parameter an AutoTP layer shards (absent: whole on every rank).
 
-    Read from what the loader (:func:`~ds_capture.engine.loading._owned_slices`) slices the checkpoint by: an
-    AutoTP layer's ``DS_AUTOTP_UC_META`` (a split the loader cannot slice is refused the same way), or the
-    ``owned_slices`` of our own plan's linears (:mod:`.tensor_parallel`, even splits).
+    Read from ``DS_AUTOTP_UC_META``, the metadata the loader (:func:`~ds_capture.engine.loading._owned_slices`)
+    slices the checkpoint by; a split the loader cannot slice is refused the same way.
     """
     from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
 
     found: dict[str, TensorPartition] = {}
     for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for leaf, owned in (getattr(module, "owned_slices", None) or {}).items():
-            found[prefix + leaf] = TensorPartition(dim=owned.dim, sizes=(owned.length,) * tp_size)
+        # Our own plan's linears (engine/tensor_parallel.py) publish their slice: an even split of dim 0.
+        for leaf, cut in getattr(module, "owned_slices", {}).items():
+            found[f"{module_name}.{leaf}"] = TensorPartition(dim=cut.dim, sizes=(cut.length,) * module.tp_size)
         if not isinstance(module, TensorParallel_Layer):
             continue
         module._mark_uc_metadata()
+        prefix = f"{module_name}." if module_name else ""
         for leaf, param in module.named_parameters(recurse=False):
             meta = getattr(param, DS_AUTOTP_UC_META, None)
             if meta is None or meta["sub_param_shard_widths"]:

@@ -199,6 +199,13 @@ def logical_keys(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int
     return logical, frozenset(parts)
 
 
+def has_scale(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int, ...]]], key: str) -> bool:
+    """``key`` is a quantized weight that has its scale sibling (1-byte ``X.weight`` or packed ``X.weight_packed``)."""
+    if key.endswith(".weight_packed") and headers[key][0] == "I32":
+        return f"{key[: -len('.weight_packed')]}.weight_scale" in index
+    return key.endswith(".weight") and _scale_key(index, key) is not None
+
+
 def _scale_key(index: dict[str, Path], key: str) -> str | None:
     base = key[: -len(".weight")]
     return next((k for k in (f"{base}.weight_scale_inv", f"{base}.scale", f"{base}.weight_scale") if k in index), None)

@@ -40,8 +40,12 @@ def load_with_from_pretrained(target: TargetInfo, *, dtype: torch.dtype,
 
     from ds_capture.engine.loading import default_device
 
-    attn_implementation = target.family.resolve_attn_implementation(attn_implementation)
+    family = target.family
+    attn_implementation = family.resolve_attn_implementation(attn_implementation)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = getattr(transformers, target.family.auto_class).from_pretrained(target.path, dtype=dtype, **kwargs)
-    target.family.drop_unused_modules(model)
+    if family.build_from_text_config:
+        # Llama 4: the text model alone; from_pretrained strips its `language_model.` prefix (base_model_prefix).
+        kwargs["config"] = family.text_config(transformers.AutoConfig.from_pretrained(target.path))
+    model = getattr(transformers, family.auto_class).from_pretrained(target.path, dtype=dtype, **kwargs)
+    family.drop_unused_modules(model)
     return model.to(default_device()).eval().requires_grad_(False)

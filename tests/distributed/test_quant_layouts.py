@@ -13,7 +13,8 @@ tp_x_ep, fsdp2.
   checkpoint`` (not FSDP2, which refuses it) and holds it to the same equalities. Representative cut in CI:
   deepseek_v3 FP8 at TP=2 x EP=2 and FSDP2, DeepSeek-V4 FP8 + FP4 at EP=2; the rest ``slow``.
 - ``test_cli_caches_byte_identical`` (``slow``): the real CLI captures both checkpoints in the layout; the
-  caches are byte-identical.
+  caches are byte-identical. ``test_cli_checkpoint_storage_cache_byte_identical`` (``slow``): the same for
+  ``expert_storage: checkpoint`` against ``dequantized`` on the quantized checkpoint.
 """
 
 from __future__ import annotations
@@ -97,12 +98,13 @@ def _mtp(key: str) -> bool:
     return key.startswith("mtp.") or ".layers.4." in key
 
 
-def _capture(target: Path, out: Path, layout: str) -> Path:
+def _capture(target: Path, out: Path, layout: str, storage: str = "dequantized") -> Path:
     nproc, tp_size, ep_size = LAYOUTS[layout]
     recipe = out.parent / f"{out.name}.yaml"
     recipe.write_text(yaml.safe_dump({
         "engine": "fsdp2" if layout == "fsdp2" else "deepspeed",
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
+        "capture": {"expert_storage": storage},
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=4, cache_dtype="fp32", target_layer_ids=[-1, 0, 1, 2, 3])}))
@@ -123,3 +125,14 @@ def test_cli_caches_byte_identical(pairs, tmp_path, model_type, scheme, layout):
     ours = safetensors_digests(_capture(quantized, tmp_path / "quantized", layout))
     theirs = safetensors_digests(_capture(reference, tmp_path / "reference", layout))
     assert ours and ours == theirs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_type, scheme, layout", [("deepseek_v4", "fp8_fp4", "ep"), ("kimi_k25", "int4", "tp_x_ep")],
+                         ids=["deepseek_v4-fp8_fp4-ep", "kimi_k25-int4-tp_x_ep"])
+def test_cli_checkpoint_storage_cache_byte_identical(pairs, tmp_path, model_type, scheme, layout):
+    quantized, _ = pairs(model_type, scheme)
+    resident = safetensors_digests(_capture(quantized, tmp_path / "checkpoint", layout, "checkpoint"))
+    assert resident and resident == safetensors_digests(_capture(quantized, tmp_path / "dequantized", layout))

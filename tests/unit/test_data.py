@@ -323,3 +323,21 @@ def test_empty_dataset(tmp_path):
         f"{full}: the dataset has no rows after applying split 'train[5:]'. Add rows to the dataset or widen "
         "the split."
     )
+
+
+def test_raw_unicode_line_separator_splits_the_line_as_nemo_does(tmp_path):
+    # NeMo reads JSONL with str.splitlines(), which also ends a line at U+2028: such a row is not valid JSON there.
+    path = tmp_path / "d.jsonl"
+    row = json.dumps({"messages": [{"role": "user", "content": "a\u2028b"}, A]}, ensure_ascii=False)
+    path.write_text(json.dumps(_row(0)) + "\n" + row + "\n", encoding="utf-8")
+    with pytest.raises(CaptureError) as err:
+        read_conversations(str(path), split=None, shuffle_seed=0)
+    assert str(err.value) == (
+        f"{path} line 2: not valid JSON (Unterminated string starting at column 43). Each line of a JSONL file "
+        "must be one JSON object; fix or delete this line. The line holds a raw Unicode line break (U+2028, "
+        "U+2029, U+0085, form feed, ...), where NeMo AutoModel splits JSONL lines as Python's str.splitlines "
+        "does; write those characters escaped (json.dumps with ensure_ascii=True writes \\u2028)."
+    )
+    escaped = tmp_path / "e.jsonl"
+    escaped.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"}, A]}) + "\n")
+    assert read_conversations(str(escaped), split=None, shuffle_seed=0)[0][0]["content"] == "a\u2028b"

@@ -2,12 +2,15 @@
 
 Per family, a tiny random-init checkpoint (``ds_capture.demo.TINY_CONFIGS``, sharded safetensors) is captured
 by ``run_capture`` (4 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``) and compared with
-``AutoModelForCausalLM.from_pretrained(...)(output_hidden_states=True)`` (Kimi-K2.5: the whole vision-language
-model through ``AutoModelForImageTextToText``, vision tower included) run row by row on the row's content:
+``AutoModelForCausalLM.from_pretrained(...)(output_hidden_states=True)`` (Kimi-K2.5, Qwen3.5 MoE, GLM-5.3: the whole
+vision-language model through ``AutoModelForImageTextToText``, vision tower included; Llama 4: that wrapper's inner
+causal LM) run row by row on the row's content, so the batched capture (right padding) is checked against every
+row forwarded alone (linear-attention and DSA families included):
 id ``i`` = ``hidden_states[i+1]``, id ``L-1`` = the post-final-norm state; DeepSeek-V4 hyper-connection states
 ``[B, S, hc, H]`` are reduced here by their mean over hc (the reference does not use the registry's reducer).
 Tolerance (fp32, batched vs per-row forwards): ``max|a-b| <= 1e-5 * max(1, max|a|)``.
-Also: the manifest's model type / sizes (Gemma 4: outer model_type, text_config sizes) and every refusal's text.
+Also: the manifest's model type / sizes (Gemma 4: outer model_type, text_config sizes), every refusal's text, the
+release wrappers' bytes read (text decoder only), gpt-oss's eager-only attention.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ from ds_capture.families import read_target_info
 FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mixtral"]
 # Built through test_families' builder (release key layouts): their buffers include per-layer-type rotary
 # tables (DeepSeek-V4, Gemma 4) and Gemma 4's embedding scale, all computed at load by _init_weights.
-RELEASE_LAYOUT_FAMILIES = ["deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25"]
+# Llama 4 (its text model from text_config, complex rotary table), the other release wrappers, gpt-oss (eager
+# attention) and Kimi-Linear (KDA's q/k/v convolutions concatenated at load) as well.
+RELEASE_LAYOUT_FAMILIES = ["deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25", "llama4", "qwen3_5_moe", "glm5_next",
+                           "gpt_oss", "kimi_linear"]
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,14 +1,12 @@
 """Message normalisation = NeMo AutoModel 0.7.0's ChatDataset rules (ds_capture.messages), on rows read from disk.
 
-The expected values are NeMo's `_normalize_messages` outputs for the same rows (tests/fixtures/nemo_normalisation
-records them with NeMo itself; test_released_templates compares against that recording)."""
+The expected values follow NeMo's `chat_dataset._normalize_messages` for the same rows; test_released_templates
+compares whole rows (normalised, rendered, masked) against NeMo's own recorded outputs."""
 
 from __future__ import annotations
 
 import json
 import logging
-
-import pytest
 
 from ds_capture.data import read_conversations
 from ds_capture.messages import Conversation, normalize_row
