@@ -9,8 +9,8 @@ Out: one JSON object (stdout and ``--out``):
   - ``throughput``: tokens/s of a ~0.9B-parameter Qwen3-MoE (hidden 2048, 8 layers, 16 experts, top 2) at
     S = 2048 on one GPU (and expert-parallel over all GPUs, up to 8), and model FLOPs utilisation against the
     device's dense bf16 peak (2 x active parameters per token + causal attention, every row full length);
-  - ``memory``: the same capture with ``writer_queue_shards`` 2 and 0: the queued shards must hold no device
-    memory (peak difference <= one micro-batch of states + 64 MiB), and ``ds-capture plan``'s estimate of the
+  - ``memory``: the same capture with ``capture.writer_buffer_mib`` 8192 and 0 (synchronous): micro-batches waiting
+    to be written must hold no device memory (peak difference <= one micro-batch of states + 64 MiB), and ``ds-capture plan``'s estimate of the
     rank's peak (minus its runtime reserve) must bound the measured ``torch.cuda.max_memory_allocated``.
 Without CUDA it prints ``{"skipped": true, ...}`` and exits 0 (benchmarks/gpu_check.sh is the entry point).
 
@@ -207,24 +207,24 @@ def check_memory(work: Path) -> dict:
 
     target, data = work / "targets" / "throughput", work / "long.jsonl"
     peaks, estimate = {}, None
-    for queue_shards in (2, 0):
-        recipe = _recipe(work, f"memory_q{queue_shards}", target, data, seq_length=2048, micro_batch_size=8,
-                         shard_size=64, capture={"pad_to_multiple_of": 0, "writer_queue_shards": queue_shards})
+    for buffer_mib in (8192, 0):
+        recipe = _recipe(work, f"memory_b{buffer_mib}", target, data, seq_length=2048, micro_batch_size=8,
+                         shard_size=64, capture={"pad_to_multiple_of": 0, "writer_buffer_mib": buffer_mib})
         run = _run(recipe, 1, timeout_s=900)
-        metrics = work / "caches" / f"memory_q{queue_shards}" / ".ds_capture" / "metrics.jsonl"
+        metrics = work / "caches" / f"memory_b{buffer_mib}" / ".ds_capture" / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        peaks[queue_shards] = max((r.get("peak_cuda_mb") or 0 for r in records), default=None)
-        if queue_shards == 2:
+        peaks[buffer_mib] = max((r.get("peak_cuda_mb") or 0 for r in records), default=None)
+        if buffer_mib:
             report = plan_capture(load_config(recipe), world_size=1, count_dataset=False)
             estimate = report.worst.peak_bytes - report.worst.reserve_bytes
             micro_batch = 8 * 2048 * (THROUGHPUT_MODEL["hidden_size"] * (len(report.layer_ids) + 1) * 2 + 16)
         if run["returncode"]:
             return {"ok": False, "error": run["log_tail"]}
-    measured = peaks[2] * 2**20 if peaks[2] else None
-    queue_growth = (peaks[2] - peaks[0]) * 2**20 if peaks[2] and peaks[0] else None
+    measured = peaks[8192] * 2**20 if peaks[8192] else None
+    queue_growth = (peaks[8192] - peaks[0]) * 2**20 if peaks[8192] and peaks[0] else None
     queue_ok = queue_growth is not None and queue_growth <= micro_batch + 64 * 2**20
     bound_ok = measured is not None and measured <= estimate
-    return {"ok": bool(queue_ok and bound_ok), "peak_cuda_mb_queue2": peaks[2], "peak_cuda_mb_queue0": peaks[0],
+    return {"ok": bool(queue_ok and bound_ok), "peak_cuda_mb_buffer8192": peaks[8192], "peak_cuda_mb_sync": peaks[0],
             "queue_growth_mb": None if queue_growth is None else round(queue_growth / 2**20, 1),
             "one_micro_batch_mb": round(micro_batch / 2**20, 1), "queue_holds_no_device_memory": queue_ok,
             "plan_estimate_mb": round(estimate / 2**20, 1), "plan_bounds_measured": bound_ok,

@@ -35,13 +35,13 @@ class ExpertStorage:
     """How the routed experts are held on the device: ``format`` at ``bytes_per_param`` (scales included)."""
 
     format: str
-    """``compute`` (dequantized to the compute dtype), or the checkpoint's own: ``fp8``, ``fp4``, ``int4``."""
+    """``dequantized`` (to the compute dtype), or the checkpoint's own: ``fp8``, ``fp4``, ``int4``."""
     bytes_per_param: float | None = None
-    """None for ``compute`` (the parameter's own dtype size)."""
+    """None for ``dequantized`` (the parameter's own dtype size)."""
     detail: str = ""
 
 
-COMPUTE_STORAGE = ExpertStorage(format="compute", detail="experts dequantized to the compute dtype")
+COMPUTE_STORAGE = ExpertStorage(format="dequantized", detail="experts dequantized to the compute dtype")
 
 
 def checkpoint_expert_storage(quantization: Mapping[str, Any] | None) -> ExpertStorage | None:
@@ -129,14 +129,17 @@ class Term:
 
 def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
-                             keys_per_query: float = 1.0, indexer_bytes: int = 0) -> tuple[list[Term], Term]:
+                             keys_per_query: float = 1.0, indexer_bytes: int = 0,
+                             dequantized_experts_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
     transients are not additive: one block runs at a time, so the peak is the stack terms + the largest block.
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
-    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`).
+    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.families`);
+    ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
+    experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -179,8 +182,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         else:
             routed = expert_math + combine
             note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
-        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c,
-                           note + " + the shared experts"))
+        if dequantized_experts_bytes:
+            note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
+        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
+                           + dequantized_experts_bytes, note + " + the shared experts"))
     return stack, max(blocks, key=lambda term: term.bytes)
 
 
@@ -237,18 +242,19 @@ def micro_batch_bytes(*, micro_batch_size: int, seq_length: int, hidden_size: in
     return micro_batch_size * per_row
 
 
-def writer_memory(micro_batch: int, *, is_writer: bool) -> tuple[Term, Term]:
+def writer_memory(micro_batch: int, *, is_writer: bool, buffer_bytes: int) -> tuple[Term, Term]:
     """(device, host) memory of one rank's shard writer.
 
-    The writer model: captured states leave the device right after each forward (nothing queued holds device
-    memory beyond the current forward's captures, counted in :func:`capture_terms`); the host holds at most
-    two micro-batches of states in flight plus pinned staging buffers of one micro-batch. Only the tp-rank-0 of
-    each DP group writes. Adjust here if the writer's bounds change.
+    The writer (``capture.writer_buffer_mib``): captured states leave the device right after each forward
+    (nothing waiting to be written holds device memory beyond the current forward's captures, counted in
+    :func:`capture_terms`); the host holds the micro-batches waiting to be written in buffers (pinned on CUDA)
+    bounded by ``buffer_bytes``, at least one micro-batch whatever the setting, and never a whole shard. Only the
+    tp-rank-0 of each DP group writes. Adjust here if the writer's bounds change.
     """
     if not is_writer:
         return Term("writer (device)", 0), Term("writer (host)", 0, "not a writing rank")
     return (Term("writer (device)", 0, "states leave the device after each forward"),
-            Term("writer (host)", 3 * micro_batch, "2 micro-batches in flight + 1 pinned staging micro-batch"))
+            Term("writer (host)", max(buffer_bytes, micro_batch), "capture.writer_buffer_mib, at least one micro-batch"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
             if option.format != storage.format:
                 worst = max(sizer.ranks(layout, option)[0], key=lambda r: r.peak_bytes)
                 report.storage_alternatives.append({
-                    "expert_storage": "checkpoint" if option is checkpoint else "compute", "format": option.format,
+                    "expert_storage": "checkpoint" if option is checkpoint else "dequantized", "format": option.format,
                     "detail": option.detail, "param_bytes": int(worst.param_bytes),
                     "peak_bytes": int(worst.peak_bytes), "fits": worst.peak_bytes <= budget})
     if suggest and not report.fits:
@@ -212,9 +212,8 @@ def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
 
 
 def _configured_storage(cfg: RunConfig, target: TargetInfo) -> mm.ExpertStorage:
-    # capture.expert_storage (resident quantized experts) arrives with quantized-checkpoint support; until then
-    # every run dequantizes (compute storage).
-    if getattr(cfg.capture, "expert_storage", None) == "checkpoint":
+    # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
+    if cfg.capture.expert_storage == "checkpoint":
         storage = mm.checkpoint_expert_storage(target_quantization(target))
         if storage is not None:
             return storage

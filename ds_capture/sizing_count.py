@@ -231,7 +231,8 @@ class Sizer:
             tp_size=layout.tp_size, fp32_row_parallel=self.compute_dtype != "fp32",
             attn_implementation=table.attn_implementation,
             keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
-            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0)
+            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
+            dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
@@ -252,7 +253,8 @@ class Sizer:
                 by_role[role] = (self._fsdp2_params(table, storage, layout.world_size, rank) if fsdp
                                  else self._tp_params(table, storage, tp_rank))
             is_writer = tp_rank == 0
-            device, host = mm.writer_memory(micro_batch, is_writer=is_writer)
+            device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
+                                            buffer_bytes=self.cfg.capture.writer_buffer_mib << 20)
             estimates.append(RankEstimate(
                 rank=rank, tp_rank=tp_rank, ep_rank=rank % layout.ep_size, dp_rank=rank // layout.tp_size,
                 is_writer=is_writer, param_bytes_by_kind=by_role[role], activation_bytes=activation,
@@ -260,6 +262,15 @@ class Sizer:
                 fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
                 host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
+
+    @staticmethod
+    def _layer_experts_bytes(table: _Table) -> int:
+        """One MoE layer's local routed experts in the compute dtype (tp rank 0; every layer alike)."""
+        per_layer: dict[int | None, int] = defaultdict(int)
+        for entry in table.tensors:
+            if entry.is_expert:
+                per_layer[entry.layer] += entry.numel() * entry.itemsize
+        return max(per_layer.values(), default=0)
 
     @staticmethod
     def _tp_params(table: _Table, storage: mm.ExpertStorage, tp_rank: int) -> dict[str, float]:

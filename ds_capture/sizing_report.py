@@ -43,7 +43,7 @@ def format_report(report: Any) -> str:
         f"{_gib(largest.bytes)} ({largest.note}); through the stack: "
         + ", ".join(f"{term.name} {_gib(term.bytes)}" for term in report.activation_terms),
         f"  writer: 0 on the device after each forward; host {_gib(max(r.writer_host_bytes for r in report.ranks))} "
-        "per writing rank (2 micro-batches in flight + 1 pinned staging); rank 0 also reads the embedding and "
+        "per writing rank (capture.writer_buffer_mib, at least one micro-batch); rank 0 also reads the embedding and "
         "lm_head on the host",
         "",
         f"  {'FITS' if report.fits else 'DOES NOT FIT'}: {report.reason()}",

@@ -1,9 +1,9 @@
 """ds-capture plan counts, per rank, exactly the tensors the real engines hold on that rank.
 
 The reference is the engine itself: 2 real gloo ranks (torchrun) build and load tiny targets with the DeepSpeed
-engine (expert parallel + DeepSpeed AutoTP through ``init_inference``) and with FSDP2, and report every local
-parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0 chunk rule) must give the same
-names and the same element counts on each rank.
+engine (expert parallel + DeepSpeed AutoTP through ``init_inference``, or the family's own TP plan: GLM-MoE-DSA) and
+with FSDP2, and report every local parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0
+chunk rule) must give the same names and the same element counts on each rank.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def _sizer(target_dir: Path) -> Sizer:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
-    targets = {name: tiny_target(name, num_hidden_layers=3) for name in ("qwen3_moe", "deepseek_v3")}
+    targets = {name: tiny_target(name, num_hidden_layers=3) for name in ("qwen3_moe", "deepseek_v3", "glm_moe_dsa")}
     cases = [{"target": str(targets["deepseek_v3"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 2},
              {"target": str(targets["qwen3_moe"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 1},
+             {"target": str(targets["glm_moe_dsa"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 2},  # our TP plan
              {"target": str(targets["qwen3_moe"]), "engine": "fsdp2", "tp_size": 1, "ep_size": 1}]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     result = run_launcher("torchrun", 2, [WORKER, str(tmp_path / "cases.json"), str(tmp_path)], None, 230)

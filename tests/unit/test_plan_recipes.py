@@ -18,13 +18,17 @@ from ds_capture.sizing_report import BLOCK_START, regenerate_header
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_GIB = 79.6  # an 80 GB H100 / A100 as torch reports it
-TINY_RECIPES = {"demo.yaml", "tiny_moe_tp2_ep2.yaml"}
-# recipe -> (release config, nodes of 8 GPUs, tp_size, ep_size) for every target its header says it serves.
+TINY_RECIPES = {"demo.yaml", "demo_eagle3.yaml", "tiny_moe_tp2_ep2.yaml"}
+# recipe -> (release config, nodes of 8 GPUs, tp_size, ep_size, experts' storage) for every target its header
+# says it serves; the storage is the one capture.expert_storage gives that release (dequantized: bf16).
 SERVES = {
-    "deepseek_v4_flash.yaml": [("deepseek_v4_flash", 2, 1, 16)],
-    "glm5.yaml": [("glm5", 8, 1, 64)],
-    "qwen3_235b_a22b.yaml": [("qwen3_235b_a22b", 1, 4, 8)],
-    "deepseek_v3_kimi_k2.yaml": [("deepseek_v3", 4, 8, 32), ("kimi_k2", 8, 8, 64)],
+    "deepseek_v4_flash.yaml": [("deepseek_v4_flash", 1, 1, 8, "fp4")],
+    "deepseek_v3_kimi_k2.yaml": [("deepseek_v3", 2, 8, 16, "fp8"), ("kimi_k2", 4, 8, 32, "fp8")],
+    "glm5.yaml": [("glm5_fp8", 4, 1, 32, "fp8"), ("glm5", 8, 1, 64, "dequantized")],
+    "glm5_tp8_ep32.yaml": [("glm5", 4, 8, 32, "dequantized")],
+    "glm46.yaml": [("glm46", 2, 8, 16, "dequantized")],
+    "qwen3_235b_a22b.yaml": [("qwen3_235b_a22b", 1, 4, 8, "dequantized")],
+    "qwen35.yaml": [("qwen35", 1, 1, 8, "dequantized")],
 }
 
 
@@ -44,14 +48,17 @@ def test_recipe_fits_its_nodes_and_its_header_is_plans_output(recipe, monkeypatc
         difflib.unified_diff(text.split("\n"), regenerated.split("\n"), lineterm="", n=0))
 
     recipe_cfg = load_config(REPO / "configs" / recipe)
-    title_nodes = int(re.match(r"# .*?: (\d+) nodes? x 8 GPUs \(80 GB\)", text).group(1))
+    title = " ".join(line.lstrip("# ") for line in text.split("\n")[:3])
+    count = re.search(r"(one|\d+) nodes? (?:x|of) 8 GPUs \(80 GB\)", title).group(1)
+    title_nodes = 1 if count == "one" else int(count)
     assert title_nodes == SERVES[recipe][0][1]
-    for release, nodes, tp_size, ep_size in SERVES[recipe]:
+    for release, nodes, tp_size, ep_size, storage in SERVES[recipe]:
         matching = [report for command, report in runs if command.endswith(f"release_configs/{release}")
                     or f"release_configs/{release} " in command]
         own = [r for r in matching if (r.layout.world_size, r.layout.tp_size, r.layout.ep_size) == (nodes * 8, tp_size,
                                                                                                   ep_size)
-               and r.layout.micro_batch_size == recipe_cfg.recipe_args.micro_batch_size]
+               and r.layout.micro_batch_size == recipe_cfg.recipe_args.micro_batch_size
+               and r.expert_storage.format == storage]
         assert own, (recipe, release, [c for c, _ in runs])
         for report in own:
             assert report.budget_bytes == GPU_GIB * 2**30

@@ -93,7 +93,7 @@ def test_json_lists_every_rank_of_a_512_rank_world(capsys):
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["rank"] for r in report["per_rank"]] == list(range(512))
-    assert report["layout"] == {"engine": "deepspeed", "world_size": 512, "dp_size": 64, "tp_size": 8, "ep_size": 32,
+    assert report["layout"] == {"engine": "deepspeed", "world_size": 512, "dp_size": 64, "tp_size": 8, "ep_size": 16,
                                 "micro_batch_size": 4, "seq_length": 4096}
     assert isinstance(report["fits"], bool) and report["fits"]
     for rank in report["per_rank"]:
@@ -158,10 +158,11 @@ def test_run_refuses_a_layout_that_does_not_fit_before_any_weight_loads(write_re
 
 
 def test_plan_refuses_what_run_refuses(capsys):
-    argv = ["plan", "-c", str(REPO / "configs" / "glm5.yaml"), "--world-size", "64",
-            "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'glm5'}", "--set", "distributed.tp_size=2"]
+    argv = ["plan", "-c", str(REPO / "configs" / "deepseek_v4_flash.yaml"), "--world-size", "16",
+            "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'deepseek_v4_flash'}",
+            "--set", "distributed.tp_size=2"]
     assert main(argv) == 2
-    assert "tp_size 2: DeepSpeed AutoTP mis-shards the DSA indexer" in capsys.readouterr().err
+    assert "tp_size 2: DeepSpeed AutoTP mis-shards the attention compressor" in capsys.readouterr().err
 
 
 def test_fsdp2_plan_of_a_real_target_shards_every_expert_once():
