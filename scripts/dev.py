@@ -28,11 +28,16 @@ def venv_python() -> Path:
     return VENV / "bin" / "python"
 
 
-def ensure_env() -> Path:
-    """Create the venv and install the project (editable) with its test extras, if not done for this pyproject."""
-    stamp_value = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+def ensure_env(extras: tuple[str, ...] = ()) -> Path:
+    """Create the venv and install the project (editable) with ``extras``, unless done for this pyproject.
+
+    The demo needs the runtime dependencies only; ``test`` adds the test / bench / mpi extras. The stamp
+    records what was installed, so a later ``test`` installs only what the demo left out.
+    """
+    pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     stamp = VENV / ".ds_capture_installed"
-    if stamp.is_file() and stamp.read_text() == stamp_value and venv_python().exists():
+    recorded = stamp.read_text().split() if stamp.is_file() else []
+    if recorded[:1] == [pyproject] and set(extras) <= set(recorded[1:]) and venv_python().exists():
         return venv_python()
     if not venv_python().exists():
         print(f"[dev] creating virtualenv {VENV}", flush=True)
@@ -40,10 +45,16 @@ def ensure_env() -> Path:
     pip = [str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     print(f"[dev] installing {TORCH_PIN} and the project (first run only, a few minutes)", flush=True)
     subprocess.run(pip + [TORCH_PIN], check=True)
-    extras = "test,bench,mpi" if shutil.which("mpicc") else "test,bench"
-    subprocess.run(pip + ["-e", f"{ROOT}[{extras}]"], check=True)
-    stamp.write_text(stamp_value)
+    if recorded[:1] == [pyproject]:
+        extras = tuple(sorted(set(extras) | set(recorded[1:])))
+    target = f"{ROOT}[{','.join(extras)}]" if extras else str(ROOT)
+    subprocess.run(pip + ["-e", target], check=True)
+    stamp.write_text(" ".join([pyproject, *extras]))
     return venv_python()
+
+
+def test_extras() -> tuple[str, ...]:
+    return ("test", "bench", "mpi") if shutil.which("mpicc") else ("test", "bench")
 
 
 def ensure_shm_op(python: Path, env: dict) -> None:
@@ -69,7 +80,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("demo", "test", "env"):
         print(__doc__)
         return 2
-    python = ensure_env()
+    python = ensure_env(() if argv[0] == "demo" else test_extras())
     env = dict(os.environ, PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV / "torch_extensions"))
     command, rest = argv[0], argv[1:]
