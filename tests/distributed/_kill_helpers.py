@@ -116,7 +116,9 @@ def install_kill(spec: str) -> None:
 
         writer.write_atomic = atomic_or_die
     else:
-        write_manifest = runner.write_manifest
+        import ds_capture.dspark as dspark  # the DSpark kind writes both manifests (complete false, then true)
+
+        write_manifest = dspark.write_manifest
 
         def manifest_or_die(out_dir, manifest):
             if manifest.complete and point == "flip":
@@ -125,7 +127,7 @@ def install_kill(spec: str) -> None:
             if manifest.complete and point == "after_flip":
                 fail()
 
-        runner.write_manifest = manifest_or_die
+        dspark.write_manifest = manifest_or_die
 
 
 # ---------------------------------------------------------------------------------------------- outside kills
