@@ -29,15 +29,13 @@ from ds_capture.cache.eagle3_format import (
     Eagle3Manifest,
 )
 from ds_capture.cache.format import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME, shard_name
-from ds_capture.cache.shard_file import SafetensorsLayout, ShardFile
 from ds_capture.cache.writer import (
     TMP_SUFFIX,
-    WrittenShard,
+    ManifestShards,
     checksum_matches,
     read_recorded_checksum,
     save_file,
     write_atomic,
-    write_checksum_sidecar,
 )
 from ds_capture.errors import CaptureError
 
@@ -180,27 +178,9 @@ def is_complete(out_dir: Path, manifest: Eagle3Manifest) -> bool:
             and record.get("num_shards") == manifest.num_shards)
 
 
-class Eagle3Shards:
-    """The EAGLE-3 v2 shard kind as the in-place writer drives it (``async_writer.ShardKind``): ``open``,
-    rows at their offsets, ``finish``. ``aux_hidden_states`` is written up to each row's real length only
-    (0 on padding, as a hole); every other tensor row is written whole (``target_probs`` holds the uniform
-    filler past the content, ``attention_mask`` / ``input_ids`` their own values)."""
+class Eagle3Shards(ManifestShards):
+    """The EAGLE-3 v2 shards: ``aux_hidden_states`` is written up to each row's real length only (0 on padding,
+    as a hole); every other tensor row is written whole (``target_probs`` holds the uniform filler past the
+    content, ``attention_mask`` / ``input_ids`` their own values)."""
 
     zero_tail = frozenset({"aux_hidden_states"})
-
-    def __init__(self, out_dir: Path, manifest: Eagle3Manifest) -> None:
-        self.out_dir = Path(out_dir)
-        self.manifest = manifest
-
-    def rows(self, index: int) -> int:
-        return self.manifest.shard_rows(index)
-
-    def open(self, index: int) -> ShardFile:
-        layout = SafetensorsLayout.build(self.manifest.expected_shard_tensors(index))
-        return ShardFile(self.out_dir / shard_name(index), layout, zero_tail=self.zero_tail)
-
-    def finish(self, index: int, shard: ShardFile) -> WrittenShard:
-        write_checksum_sidecar(self.out_dir, index, shard.finish())
-        stat = shard.path.stat()
-        return WrittenShard(index=index, logical_bytes=stat.st_size, bytes_written=shard.bytes_written,
-                            disk_bytes=stat.st_blocks * 512)

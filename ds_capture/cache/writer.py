@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from typing import Any, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,18 +268,18 @@ class WrittenShard:
     """``st_blocks * 512`` of the final file: below ``logical_bytes`` where the padding tails are holes."""
 
 
-class DSparkShards:
-    """The DSpark v1 shard kind (DESIGN §3) as the capture loop drives it: ``open``, rows, ``finish``.
+class ManifestShards:
+    """Shards laid out from a manifest's ``expected_shard_tensors`` / ``shard_rows``, as the capture loop drives
+    them (``async_writer.ShardKind``): ``open``, rows, ``finish``.
 
-    ``open(index)`` returns a :class:`ShardFile` laid out from the manifest; its hidden-state tensors
-    are written up to each row's real length only (the padded tail stays a hole). ``finish`` renames the
-    shard into place and records its checksum sidecar. Another cache kind supplies its own tensors by
-    providing the same three methods and ``rows(index)``.
+    ``open(index)`` returns a :class:`ShardFile`; its ``zero_tail`` tensors are written up to each row's real
+    length only (the padded tail stays a hole). ``finish`` renames the shard into place and records its
+    checksum sidecar. Each cache kind names its zero-tail tensors (:class:`DSparkShards`, ``Eagle3Shards``).
     """
 
-    zero_tail = frozenset({"target_hidden_states", "target_last_hidden_states"})
+    zero_tail: frozenset[str] = frozenset()
 
-    def __init__(self, out_dir: Path, manifest: Manifest) -> None:
+    def __init__(self, out_dir: Path, manifest: Any) -> None:
         self.out_dir = Path(out_dir)
         self.manifest = manifest
 
@@ -295,6 +296,12 @@ class DSparkShards:
         stat = shard.path.stat()
         return WrittenShard(index=index, logical_bytes=stat.st_size, bytes_written=shard.bytes_written,
                             disk_bytes=stat.st_blocks * 512)
+
+
+class DSparkShards(ManifestShards):
+    """The DSpark v1 shards (DESIGN §3): both hidden-state tensors are zero on padding, so their tails are holes."""
+
+    zero_tail = frozenset({"target_hidden_states", "target_last_hidden_states"})
 
 
 def write_shard(out_dir: Path, index: int, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> int:
