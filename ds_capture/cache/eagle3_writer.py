@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.eagle3_format import (
     COMPLETE_NAME,
@@ -28,13 +27,12 @@ from ds_capture.cache.eagle3_format import (
     EMBEDDINGS_NAME,
     Eagle3Manifest,
 )
-from ds_capture.cache.format import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME, shard_name
+from ds_capture.cache.format import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME
 from ds_capture.cache.writer import (
     TMP_SUFFIX,
     ManifestShards,
-    checksum_matches,
-    read_recorded_checksum,
     save_file,
+    shard_is_done,
     write_atomic,
 )
 from ds_capture.errors import CaptureError
@@ -87,7 +85,7 @@ def prepare_eagle3_output_dir(out_dir: Path, manifest: Eagle3Manifest, *, restar
         return set()
     if is_complete(out_dir, manifest):
         return set(range(manifest.num_shards))
-    return {index for index in range(manifest.num_shards) if _shard_is_done(out_dir, index, manifest)}
+    return {index for index in range(manifest.num_shards) if shard_is_done(out_dir, index, manifest)}
 
 
 def _show(value: object) -> str:
@@ -108,25 +106,6 @@ def _refuse_foreign_entries(out_dir: Path) -> None:
         raise CaptureError(
             f"cache_output_dir {out_dir} is not empty and holds no cache manifest ({MANIFEST_NAME}): it contains "
             f"{listed}. Use a new or empty cache_output_dir.")
-
-
-_SAFETENSORS_DTYPE = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.float32: "F32",
-                      torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def _shard_is_done(out_dir: Path, index: int, manifest: Eagle3Manifest) -> bool:
-    path = out_dir / shard_name(index)
-    recorded = read_recorded_checksum(out_dir, index)
-    if not path.is_file() or recorded is None:
-        return False
-    try:
-        with safe_open(path, framework="pt") as f:
-            found = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
-    except Exception:  # any unreadable header means "recompute", whatever safetensors raises
-        return False
-    expected = {key: (shape, _SAFETENSORS_DTYPE[dtype])
-                for key, (shape, dtype) in manifest.expected_shard_tensors(index).items()}
-    return found == expected and checksum_matches(path, recorded)
 
 
 # -- files ------------------------------------------------------------------------------------

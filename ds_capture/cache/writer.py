@@ -168,7 +168,7 @@ def prepare_output_dir(out_dir: Path, manifest: Manifest, *, restart: bool = Fal
         return set()
     if existing.complete:
         return set(range(manifest.num_shards))
-    return {i for i in range(manifest.num_shards) if _shard_is_done(out_dir, i, manifest)}
+    return {i for i in range(manifest.num_shards) if shard_is_done(out_dir, i, manifest)}
 
 
 def _refuse_identity_mismatch(out_dir: Path, existing: Manifest, manifest: Manifest) -> None:
@@ -217,8 +217,9 @@ def _remove_stale_tmp(out_dir: Path) -> None:
                     entry.unlink()
 
 
-def _shard_is_done(out_dir: Path, index: int, manifest: Manifest) -> bool:
-    """Final name, readable header with exactly the expected tensors, and the recorded sha256."""
+def shard_is_done(out_dir: Path, index: int, manifest: Any) -> bool:
+    """Final name, readable header with exactly the manifest's expected tensors, and the recorded checksum
+    (any cache kind's manifest: ``expected_shard_tensors``)."""
     path = out_dir / shard_name(index)
     recorded = read_recorded_checksum(out_dir, index)
     if not path.is_file() or recorded is None:
@@ -234,7 +235,8 @@ def _shard_is_done(out_dir: Path, index: int, manifest: Manifest) -> bool:
 
 
 # safetensors' header names for the dtypes a cache may hold.
-_SAFETENSORS_DTYPE = {torch.int64: "I64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPE = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.float32: "F32",
+                      torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def write_target_weights(out_dir: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: str) -> None:
