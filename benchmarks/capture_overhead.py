@@ -5,7 +5,7 @@ In: the demo target (``ds_capture.demo.ensure_demo_target``, built under ``$DS_C
 Out: one JSON object on stdout: for each path the median of ``--repeats`` runs (and every run),
 and ``ratio`` = capture tokens/s / bare tokens/s (goal: >= 0.9).
 
-- ``bare``: ``model.model(input_ids, attention_mask)`` over the same micro-batches the runner
+- ``bare``: ``model.model(**batch.model_inputs())`` over the same micro-batches the runner
   forwards (``runner.plan_micro_batches``: rows sorted by length within a shard, each batch cut to
   its longest row rounded up), no hooks, no casts, no writes, model already loaded.
 - ``capture``: ``run_capture`` into a fresh directory; its capture loop (forwards with hooks, casts,
@@ -95,8 +95,8 @@ def main() -> None:
     def bare() -> float:
         started = time.perf_counter()
         with torch.no_grad():
-            for input_ids, attention_mask in batches:
-                model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            for inputs in batches:
+                model.model(**inputs, use_cache=False)
         return time.perf_counter() - started
 
     end_to_end_s = []

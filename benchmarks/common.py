@@ -136,9 +136,9 @@ def capture_loop(model: torch.nn.Module, work: Workload, batches: list, sink: Ca
     with torch.no_grad(), capture_hidden_states(model, target.family, work.layer_ids,
                                                 target.num_hidden_layers) as hooks:
         for batch in batches:
-            input_ids, attention_mask = batch.model_inputs()
+            inputs = batch.model_inputs()
             hooks.reset()
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            model(**inputs, use_cache=False)
             hidden, last = hooks.collect(torch.float32)
             if sink is not None:
                 sink(batch, hidden, last)

@@ -71,10 +71,10 @@ def _components(args) -> dict:
         with torch.no_grad(), capture_hidden_states(model, work.target.family, [1, 2, 3],
                                                     work.target.num_hidden_layers, pre_norm_last=True) as hooks:
             for batch in batches:
-                input_ids, attention_mask = batch.model_inputs()
+                inputs = batch.model_inputs()
                 hooks.reset()
                 started = time.thread_time()
-                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+                model(**inputs, use_cache=False, logits_to_keep=1)
                 _aux, last = hooks.collect(torch.float32)
                 totals["forward"] += time.thread_time() - started
                 for name, distribution in distributions.items():

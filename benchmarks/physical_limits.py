@@ -136,8 +136,8 @@ def _bare_forward(model, batches) -> float:
     started = time.perf_counter()
     with torch.no_grad():
         for batch in batches:
-            input_ids, attention_mask = batch.model_inputs()
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            inputs = batch.model_inputs()
+            model(**inputs, use_cache=False, logits_to_keep=1)
     return time.perf_counter() - started
 
 

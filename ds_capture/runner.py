@@ -242,12 +242,11 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
-            input_ids, attention_mask = batch.model_inputs() if batch is not None else filler
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            input_ids = (batch.model_inputs() if batch is not None else filler)["input_ids"].to(device)
             hooks.reset()
             # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
             # distribution in chunks from the final hidden state, checked against these last logits).
-            output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
@@ -349,11 +348,14 @@ class PlannedBatch:
     num_tokens: torch.Tensor
     length: int
 
-    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Padding gets attention 0; with right padding and causal attention, content positions
-        # do not depend on the computed length.
-        positions = torch.arange(self.length)[None, :]
-        return self.input_ids[:, :self.length], (positions < self.num_tokens[:, None]).long()
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The forward's inputs: the ids at the computed length, and no attention mask.
+
+        Rows are right-padded and the target is causal, so no content position can see a padding
+        position: the padding mask changes nothing there (bitwise, on every family's equality test), and
+        without it attention takes its causal kernel (SDPA on CPU: ~20% less forward time at seq 1024).
+        Padding positions' states are computed but never written."""
+        return {"input_ids": self.input_ids[:, :self.length]}
 
 
 def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_length: int, options) -> list[PlannedBatch]:
@@ -381,9 +383,8 @@ def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_lengt
     return batches
 
 
-def _padding_batch(length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((1, length), pad_id, dtype=torch.long)
-    return ids, torch.ones_like(ids)
+def _padding_batch(length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.full((1, length), pad_id, dtype=torch.long)}
 
 
 def _rows_in(manifest: Manifest, shards) -> int:
