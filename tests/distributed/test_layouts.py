@@ -10,8 +10,9 @@ ragged). Every run is the real ``run_capture`` path; this file doubles as the wo
 (``python test_layouts.py worker SPECS OUT``): it wraps ``ds_capture.runner.build_model`` to put a forward
 hook on every router of the family (``family.moe_block`` + ``family.router``; routers return
 ``(logits, weights, indices)``) and a pre-hook on the model that records each forward's ``input_ids`` and
-``attention_mask``, then dumps per rank the selected experts of every content token. Several recipes run in
-one launch (one distributed session each), so the whole matrix costs one launch per world size.
+content positions (from the planned batch: the runner forwards no padding mask), then dumps per rank the
+selected experts of every content token. Several recipes run in one launch (one distributed session each),
+so the whole matrix costs one launch per world size.
 
 Modes and what must hold against the single process (same mode):
 
@@ -103,7 +104,15 @@ def _worker(specs_path: str, out_root: str) -> None:
     from ds_capture.families import get_submodule
 
     real_build_model = runner.build_model
+    real_model_inputs = runner.PlannedBatch.model_inputs
     records: list[dict] = []
+    content_masks: list = []
+
+    def model_inputs_with_content_mask(batch):
+        content_masks[:] = [torch.arange(batch.length)[None, :] < batch.num_tokens[:, None]]
+        return real_model_inputs(batch)
+
+    runner.PlannedBatch.model_inputs = model_inputs_with_content_mask
 
     def build_model_with_router_hooks(engine, target, plan, groups, **kwargs):
         model = real_build_model(engine, target, plan, groups, **kwargs)
@@ -112,8 +121,12 @@ def _worker(specs_path: str, out_root: str) -> None:
 
         def pre_hook(_module, _args, kwargs):
             current.clear()
-            current.update(input_ids=kwargs["input_ids"].clone(), attention_mask=kwargs["attention_mask"].clone(),
-                           routes={})
+            ids = kwargs["input_ids"]
+            # The runner forwards no padding mask (right padding, causal): the content positions come from the
+            # planned batch; a rank's filler batch (no planned batch) has none.
+            mask = content_masks.pop() if content_masks else torch.zeros_like(ids, dtype=torch.bool)
+            assert mask.shape == ids.shape, (mask.shape, ids.shape)
+            current.update(input_ids=ids.clone(), attention_mask=mask, routes={})
             records.append(current.copy())
             records[-1]["routes"] = current["routes"]
 
