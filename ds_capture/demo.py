@@ -84,12 +84,13 @@ TINY_CONFIGS: dict[str, dict] = {
         num_local_experts=8, num_experts_per_tok=2,
     ),
     # One hash-routed layer then top-k layers (as V4's 3 hash layers), CSA (with indexer) and HCA attention
-    # with compression rates small enough to compress within a 32-token row, 2 hyper-connection streams.
-    # A freshly initialised hash router's tid2eid table is all zeros (real values come from the checkpoint).
+    # with compression rates small enough to compress within a 32-token row, 2 hyper-connection streams, 16
+    # indexer heads (as the DSA families': with 2, ReLU zero ties make a padded row's top-k differ). A freshly
+    # initialised hash router's tid2eid table is all zeros (real values come from the checkpoint).
     "deepseek_v4": dict(
         _COMMON, hidden_size=64, moe_intermediate_size=32, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
         qk_rope_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, hc_mult=2,
-        hc_sinkhorn_iters=3, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+        hc_sinkhorn_iters=3, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16,
         index_topk=4, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
         layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
                      "compressed_sparse_attention"],

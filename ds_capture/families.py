@@ -89,8 +89,13 @@ class Family:
     """A limit of the family's cache the user should know (shown in the README's support table)."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     """Our own tensor-parallel plan instead of AutoTP (:mod:`ds_capture.engine.tensor_parallel`): decoder-layer-
-    relative linear paths -> ``colwise`` (output rows split) / ``gathered`` (input all-gathered, output rows split,
-    output all-gathered: no partial sums); everything else is replicated. Empty: AutoTP shards the family."""
+    relative paths -> ``colwise`` (output rows split) / ``gathered`` (input all-gathered, output rows split,
+    output all-gathered: no partial sums) / ``grouped`` (a block-diagonal grouped linear's groups split) / ``heads``
+    (a per-head parameter split) / ``per_rank`` (an integer attribute divided by tp); everything else is
+    replicated. Empty: AutoTP shards the family."""
+    tp_replicates_kv_heads: bool = False
+    """``tp_plan`` keeps the key/value heads whole (DeepSeek-V4's one KV head, broadcast to each rank's query
+    heads), so tp_size need not divide them."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:
@@ -198,6 +203,15 @@ _GQA_TP_PLAN = {
     "self_attn.o_proj": "gathered", **{f"mlp.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
 }
 
+# DeepSeek-V4 (AutoTP mis-shards its compressor): head-parallel queries, sinks and grouped output projection (a
+# rank's o_groups/tp groups read exactly its heads), o_b_proj gathered; the one KV head, the compressors, the
+# indexer and q_a_proj stay whole (the KV head is broadcast to the rank's heads: num_key_value_groups / tp).
+_V4_TP_PLAN = {
+    "self_attn.q_b_proj": "colwise", "self_attn.sinks": "heads", "self_attn.num_key_value_groups": "per_rank",
+    "self_attn.o_a_proj": "grouped", "self_attn.o_b_proj": "gathered",
+    **{f"mlp.shared_experts.{leaf}": style for leaf, style in _MLP_TP_PLAN.items()},
+}
+
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -220,9 +234,7 @@ FAMILIES: dict[str, Family] = {
             indexer_scores=memory_model.csa_indexer_scores,
             caveat=_DSA_TIES.format(two="2.8", sixteen="1e-5").replace("the DSA indexer", "the compressed-attention "
                                                                         "indexer (as DSA's)"),
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the attention compressor", model_type="deepseek_v4",
-                                                instead=_USE_EP),
+            tp_plan=_V4_TP_PLAN, tp_replicates_kv_heads=True,
         ),
         # GLM-5.x: dense first layers (no experts there), DSA indexer attention. AutoTP mis-shards the DSA indexer
         # (self_attn.indexer.wk), so TP is our own head-parallel MLA plan, the indexer replicated.
@@ -386,6 +398,11 @@ class TargetInfo:
                 f"{self.num_hidden_layers}] (the checkpoint's depth, {self.path / 'config.json'})."
             )
         return replace(self, num_hidden_layers=num_layers, checkpoint_num_hidden_layers=self.num_hidden_layers)
+
+    @property
+    def tp_key_value_heads(self) -> int | None:
+        """The key/value heads tensor parallelism splits (None: no GQA, or kept whole by the family's plan)."""
+        return None if self.family.tp_replicates_kv_heads else self.num_key_value_heads
 
     @property
     def skipped_layer_modules(self) -> tuple[str, ...]:

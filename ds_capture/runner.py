@@ -118,7 +118,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
     plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
-                      num_key_value_heads=target.num_key_value_heads)
+                      num_key_value_heads=target.tp_key_value_heads)
     # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
     refuse_if_not_fitting(cfg, world_size=env.world_size, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):

@@ -237,7 +237,7 @@ def _validate_layout(target: TargetInfo, layout: Layout) -> None:
             f"{layout.ep_size}). Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed.")
     build_plan(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
                num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
-               num_key_value_heads=target.num_key_value_heads)
+               num_key_value_heads=target.tp_key_value_heads)
 
 
 def _gib(value: float) -> str:

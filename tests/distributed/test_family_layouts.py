@@ -61,6 +61,7 @@ EQUAL_CASES = [
 # CI; every other cell is slow (measured once with DS_CAPTURE_FULL=1: the support table).
 _NEW_FAMILY_CASES = [
     ("glm_moe_dsa", "tp", 2, 2, 1),
+    ("deepseek_v4", "tp", 2, 2, 1),  # our own plan: head-parallel queries, sinks and grouped o_a_proj
 ]
 _NEW_FAMILY_SLOW_CASES = [
     ("glm5_next", "ep", 2, 1, 2),
@@ -81,6 +82,7 @@ _NEW_FAMILY_SLOW_CASES = [
     ("glm_moe_dsa", "tp_x_ep", 4, 2, 2),
     ("deepseek_v32", "tp", 2, 2, 1),
     ("deepseek_v32", "tp_x_ep", 4, 2, 2),
+    ("deepseek_v4", "tp_x_ep", 4, 2, 2),
     ("gemma4", "tp", 2, 2, 1),  # our own plan: head-parallel GQA, the per-layer input gate replicated
 ]
 EQUAL_CASES = [*EQUAL_CASES, *_NEW_FAMILY_CASES,

@@ -70,7 +70,7 @@ LAYOUTS = {  # layout -> (world, tp_size, ep_size)
 # layouts; DeepSeek-V4's hash routes randomised), 4 layers.
 BF16_FAMILY_LAYOUTS = {
     "mixtral": ("ep2", "tp2ep2"),
-    "deepseek_v4": ("ep2",),
+    "deepseek_v4": ("ep2", "tp2ep2"),  # TP: our own plan (heads, sinks, grouped o_a_proj; o_b_proj gathered)
     "glm_moe_dsa": ("ep2", "tp2ep2"),  # TP: our own head-parallel MLA plan (fp32 o_proj / down_proj reduction)
     "kimi_k25": ("ep2", "tp2ep2"),
 }
