@@ -4,7 +4,7 @@ In: nothing (a ``Protocol``). Out: the methods a kind implements, in the order t
 ``resolve_layer_ids`` (before any process group), ``build_manifest`` and ``prepare_output`` (rank 0,
 before any collective), ``publish`` (every rank, after the data agreed), ``start`` (the model is
 built), ``open_writer`` / ``micro_batch`` (the loop), ``finish`` (rank 0, after every rank wrote).
-Implementations: ``runner.DSparkKind`` (NeMo's DSpark cache v1) and ``eagle3.Eagle3Kind`` (its EAGLE-3
+Implementations: ``dspark.DSparkKind`` (NeMo's DSpark cache v1) and ``eagle3.Eagle3Kind`` (its EAGLE-3
 cache v2); ``runner.select_cache_kind`` picks one from ``cache_kind``.
 """
 
@@ -17,10 +17,14 @@ import torch
 
 
 class CacheKind(Protocol):
-    """What the loop asks of a cache kind (``runner.DSparkKind``, ``eagle3.Eagle3Kind``)."""
+    """What the loop asks of a cache kind (``dspark.DSparkKind``, ``eagle3.Eagle3Kind``)."""
 
     pre_norm_last: bool
     """Hooks: layer id L-1 is the last decoder layer's own output (EAGLE-3), not the post-norm state (DSpark)."""
+
+    def looks_complete(self, out_dir: Path) -> bool:
+        """A cheap hint, before anything is checked: ``out_dir`` seems to hold a finished cache of this kind (one
+        process then loads the model only if :meth:`prepare_output` finds work; it decides, not this)."""
 
     def resolve_layer_ids(self, cfg: Any, target: Any) -> list[int]:
         """The captured layers, checked against the target (before any process group)."""

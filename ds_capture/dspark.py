@@ -19,7 +19,7 @@ import torch
 
 from ds_capture import __version__
 from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
-from ds_capture.cache.format import DTYPES, Manifest
+from ds_capture.cache.format import DTYPES, MANIFEST_NAME, Manifest
 from ds_capture.cache.staging import HostStaging, slot_bytes
 from ds_capture.cache.writer import (
     DSparkShards,
@@ -46,6 +46,12 @@ class DSparkKind:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.dtype = DTYPES[cfg.recipe_args.cache_dtype]
+
+    def looks_complete(self, out_dir: Path) -> bool:
+        try:
+            return json.loads((Path(out_dir) / MANIFEST_NAME).read_text()).get("complete") is True
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
         args = cfg.recipe_args

@@ -96,6 +96,9 @@ class Eagle3Kind:
         self.distribution: DraftDistribution | None = None
         self.compute_dtype = torch.float32
 
+    def looks_complete(self, out_dir: Path) -> bool:
+        return (Path(out_dir) / BOOKKEEPING_DIR / COMPLETE_NAME).is_file()
+
     def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
         return resolve_aux_layer_ids(cfg.recipe_args.aux_layer_ids, target.num_hidden_layers, source=cfg.source)
 

@@ -164,7 +164,9 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             # One process: the model loads while the data is read and tokenised (no collective in either;
             # checkpoint reads, tensor copies and the Rust tokenizer release the GIL). Nothing is written
             # until every row is valid; a refusal still writes nothing (it is raised once the load returns).
-            loading = pool.submit(_build_model, cfg, target, plan, None) if plan.world_size == 1 else None
+            # A rerun over a finished cache usually has nothing to compute: there the model loads only if needed.
+            eager = plan.world_size == 1 and (restart or not kind.looks_complete(out_dir))
+            loading = pool.submit(_build_model, cfg, target, plan, None) if eager else None
             # Every rank validates every row (cheap, and the same error everywhere), then tokenises only
             # the rows of its own DP range. Any failure here ends every rank with the first message.
             error, prepared = None, None

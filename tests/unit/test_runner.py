@@ -243,15 +243,36 @@ def base_run(tiny_target, tmp_path_factory):
     return root / "cache", args
 
 
-def test_rerun_into_the_same_dir_changes_no_byte(base_run, tmp_path):
+def test_rerun_into_the_same_dir_changes_no_byte(base_run, tmp_path, monkeypatch):
     cache, args = base_run
     work = tmp_path / "cache"
     shutil.copytree(cache, work)
     before = hash_cache(work)
     assert "manifest.json" in before and len(before) == 8  # manifest, weights, 3 shards, 3 checksum sidecars
+    builds = []
+    real_build = runner.build_model
+    monkeypatch.setattr(runner, "build_model", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     summary = capture(tmp_path, **{**args, "cache_output_dir": str(work)})
     assert (summary.shards_written, summary.shards_skipped) == (0, 3)
     assert hash_cache(work) == before
+    assert builds == []  # nothing to compute: the model is never loaded
+
+
+def test_rerun_over_a_partial_cache_loads_the_model(base_run, tmp_path, monkeypatch):
+    cache, args = base_run
+    work = tmp_path / "cache"
+    shutil.copytree(cache, work)
+    # As a run killed before its last shard leaves it: complete=false, a shard (and its sidecar) missing.
+    manifest = json.loads((work / "manifest.json").read_text())
+    (work / "manifest.json").write_text(json.dumps({**manifest, "complete": False}, indent=2, sort_keys=True))
+    for path in work.glob("shard-000001.*"):
+        path.unlink()
+    builds = []
+    real_build = runner.build_model
+    monkeypatch.setattr(runner, "build_model", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    summary = capture(tmp_path, **{**args, "cache_output_dir": str(work)})
+    assert (summary.shards_written, summary.shards_skipped, len(builds)) == (1, 2, 1)
+    assert verify_cache(work, checksums=True).ok
 
 
 def test_a_fresh_dir_gets_byte_identical_files(base_run, tmp_path):
