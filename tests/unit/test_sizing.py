@@ -158,11 +158,25 @@ def test_run_refuses_a_layout_that_does_not_fit_before_any_weight_loads(write_re
 
 
 def test_plan_refuses_what_run_refuses(capsys):
-    argv = ["plan", "-c", str(REPO / "configs" / "deepseek_v4_flash.yaml"), "--world-size", "16",
-            "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'deepseek_v4_flash'}",
+    argv = ["plan", "-c", str(REPO / "configs" / "qwen35.yaml"), "--world-size", "16",
+            "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'qwen35'}",
             "--set", "distributed.tp_size=2"]
     assert main(argv) == 2
-    assert "tp_size 2: DeepSpeed AutoTP mis-shards the attention compressor" in capsys.readouterr().err
+    assert ("tp_size 2: DeepSpeed AutoTP column-splits the shared-expert gate (mlp.shared_expert_gate) of "
+            "model_type 'qwen3_5_moe'") in capsys.readouterr().err
+
+
+def test_plan_splits_deepseek_v4_attention_under_our_own_tp_plan():
+    """V4's attention (AutoTP mis-shards its compressor) is split by our own plan: its bytes per rank fall."""
+    def attention_gib(tp_size: int) -> float:
+        cfg = load_config(REPO / "configs" / "deepseek_v4_flash.yaml",
+                          [f"recipe_args.target_model_name_or_path={RELEASES / 'deepseek_v4_flash'}",
+                           f"distributed.tp_size={tp_size}"])
+        report = plan_capture(cfg, world_size=8, gpu_memory_gib=79.6, suggest=False, count_dataset=False)
+        return report.ranks[0].param_bytes_by_kind["attention"] / 2**30
+
+    whole, split = attention_gib(1), attention_gib(8)
+    assert 9.0 < whole < 10.0 and 2.0 < split < 3.0, (whole, split)
 
 
 def test_fsdp2_plan_of_a_real_target_shards_every_expert_once():
