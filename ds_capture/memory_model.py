@@ -150,7 +150,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     stack = [
         Term("residual stream", 3 * T * H * shapes.residual_streams * c,
              f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),
-        Term("attention mask", B * S * S, "sdpa's [B, 1, S, S] boolean padding mask"),
+        Term("attention mask", B * S * S, "the model's [B, 1, S, S] boolean causal mask (sliding windows, eager "
+                                        "attention; sdpa without a window needs none: no padding mask is passed)"),
     ]
     attention = 2 * T * shapes.attention_outputs * c
     note = "2 x every attention projection's output (q, kv, o, indexer...) on this rank"
