@@ -77,10 +77,23 @@ def chat_template_sha256(template: str | None) -> str:
     return hashlib.sha256((template or "").encode("utf-8")).hexdigest()
 
 
-def pad_token_id(tokenizer) -> int:
-    """The id rows are right-padded with: the tokenizer's pad id, else 0."""
+def pad_token_id(tokenizer, *, where: str = "the target's tokenizer") -> int:
+    """The id rows are right-padded with, as NeMo 0.7.0 pads them: the tokenizer's pad id, else its eos id.
+
+    NeMo's ChatDataset sets a missing pad token to eos (``_add_pad_token``) and lets ``apply_chat_template(...,
+    padding="max_length")`` pad, so Llama 3.1 (no pad token) is padded with eos, and a pad id of 0 stays 0
+    (measured with NeMo 0.7.0 on the fixture tokenizer: pad None -> eos, 0 -> 0, 363 -> 363)."""
     pad = getattr(tokenizer, "pad_token_id", None)
-    return 0 if pad is None else int(pad)
+    if pad is not None:
+        return int(pad)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise CaptureError(
+            f"{where} has neither a pad token nor an eos token, so there is no id to pad rows with (NeMo AutoModel "
+            "pads with the pad token, else eos, and refuses such a tokenizer too). Set `pad_token` or `eos_token` "
+            "in the target's tokenizer_config.json."
+        )
+    return int(eos)
 
 
 # ----------------------------------------------------------------------------- tokenization

@@ -107,6 +107,7 @@ class Eagle3Kind:
         args = self.args
         # NeMo reads the specials after its dataset is built: a missing pad token is its fallback id.
         self.pad_id, self.eos_id = pad_token_id(tokenizer), getattr(tokenizer, "eos_token_id", None)
+        # NeMo strips the trailing run of ChatDataset.pad_token_id, which is `pad or eos`: eos for a pad id of 0.
         self.mask_strip_id = getattr(tokenizer, "pad_token_id", None) or self.eos_id
         self.special_ids = [getattr(tokenizer, "bos_token_id", None), self.eos_id, self.pad_id,
                             getattr(tokenizer, "unk_token_id", None)]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ds_capture.data import pad_token_id
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo
 
@@ -134,6 +135,7 @@ def load_tokenizer(target: TargetInfo, *, trust_remote_code: bool):
         ) from None
     if len(tokenizer) == 0:
         raise CaptureError(f"{target.path}: the tokenizer loaded from {', '.join(present)} has no tokens. {advice}")
+    pad_token_id(tokenizer, where=f"{target.path}: the tokenizer")  # refused here, before any row is read
     return tokenizer
 
 

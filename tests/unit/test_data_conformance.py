@@ -239,9 +239,29 @@ def test_padding_is_right_side_pad_id_and_unsupervised(tokenizer):
     assert rows.num_tokens.tolist() == [34, 57]
 
 
-def test_pad_token_id_falls_back_to_zero():
-    assert pad_token_id(SimpleNamespace(pad_token_id=None)) == 0
-    assert pad_token_id(SimpleNamespace(pad_token_id=7)) == 7
+def test_pad_token_id_is_nemos_pad_else_eos():
+    """As NeMo 0.7.0 pads (run on the fixture tokenizer: pad None -> eos 365, pad 0 -> 0, pad 363 -> 363)."""
+    assert pad_token_id(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=2)) == 0
+    with pytest.raises(CaptureError) as caught:
+        pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None), where="/m: the tokenizer")
+    assert str(caught.value) == (
+        "/m: the tokenizer has neither a pad token nor an eos token, so there is no id to pad rows with (NeMo "
+        "AutoModel pads with the pad token, else eos, and refuses such a tokenizer too). Set `pad_token` or "
+        "`eos_token` in the target's tokenizer_config.json.")
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos_as_nemo(tokenizer):
+    import copy
+
+    probe = copy.deepcopy(tokenizer)
+    probe.pad_token = None
+    assert probe.pad_token_id is None and probe.eos_token_id == 365
+    rows = tokenize_conversations([CONVERSATION[1:3]], probe, chat_template=probe.chat_template, seq_length=64,
+                                  mask_reasoning_content=False, mask_generation_prompt=False)
+    n = int(rows.num_tokens[0])
+    assert n < 64 and rows.input_ids[0, n:].eq(365).all() and rows.loss_mask[0, n:].eq(0).all()
 
 
 # ----------------------------------------------------------------------------- chat template helpers
