@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
                         format="[ds_capture] %(levelname)s %(message)s")
+    from ds_capture.dist import quiet_deepspeed_accelerator
+
+    quiet_deepspeed_accelerator()
     try:
         return _COMMANDS[args.command](args)
     except CaptureError as error:

@@ -27,6 +27,32 @@ from datetime import timedelta
 
 from ds_capture.errors import CaptureError
 
+
+def quiet_deepspeed_accelerator() -> None:
+    """Without a GPU, name DeepSpeed's accelerator (``DS_ACCELERATOR=cpu`` unless set) before anything imports
+    DeepSpeed (transformers' integrations do, too): DeepSpeed otherwise announces its CPU fallback with a warning
+    on stdout, which corrupts ``ds-capture plan --json`` and the benchmarks' JSON."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def import_deepspeed():
+    """``import deepspeed`` with its log on stderr (DeepSpeed's logger writes to stdout); every DeepSpeed import
+    of ours goes through this."""
+    import sys
+
+    quiet_deepspeed_accelerator()
+    import deepspeed
+    from deepspeed.utils.logging import logger as ds_logger
+
+    for handler in ds_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    return deepspeed
+
+
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("single", "deepspeed", "torchrun", "openmpi", "mpich", "slurm")
@@ -240,8 +266,7 @@ def init_distributed(env: DistEnv, *, backend: str | None, timeout_minutes: int)
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     if env.world_size == 1:
         return
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
                                auto_mpi_discovery=False, verbose=False,
                                timeout=timedelta(minutes=timeout_minutes))

@@ -115,8 +115,9 @@ def apply_autotp(model: nn.Module, *, tp_group: Any, dp_group: Any, dtype: torch
     ``init_inference`` casts the whole module to ``dtype`` (``module.bfloat16()``) and ``to_empty``-s it;
     the model's own fp32 islands (DeepSeek's router) keep their dtype; buffers are filled at load.
     """
-    import deepspeed
+    from ds_capture.dist import import_deepspeed
 
+    deepspeed = import_deepspeed()
     layout = record_tensor_layout(model)
     mpu = _ModelParallelUnit(tp_group=tp_group, dp_group=dp_group)
     engine = deepspeed.init_inference(

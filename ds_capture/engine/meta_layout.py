@@ -45,7 +45,9 @@ class _StandInGroup:
 def _stand_in_comm() -> Iterator[None]:
     """``deepspeed.comm.get_rank / get_world_size`` answer for a :class:`_StandInGroup` (and defer to DeepSpeed for
     anything else); restored on exit, errors included."""
-    import deepspeed.comm as ds_comm
+    from ds_capture.dist import import_deepspeed
+
+    ds_comm = import_deepspeed().comm
 
     real_rank, real_world_size = ds_comm.get_rank, ds_comm.get_world_size
 

@@ -187,3 +187,21 @@ def test_fsdp2_plan_of_a_real_target_shards_every_expert_once():
     assert sum(r.param_bytes_by_kind["routed experts"] for r in report.ranks) == experts
     assert len(report.ranks) == 64 and report.layout.engine == "fsdp2"
     assert report.ranks[0].fsdp2_gather_bytes > 0 and report.fits
+
+
+def test_plan_json_on_stdout_is_json_alone():
+    """A fresh process, as a user pipes it: nothing DeepSpeed logs (its CPU-accelerator warning) lands on stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ds_capture", "plan", "-c", str(REPO / "configs" / "deepseek_v4_flash.yaml"),
+         "--world-size", "8", "--gpu-memory-gib", "79.6", "--json",
+         "--set", f"recipe_args.target_model_name_or_path={RELEASES / 'deepseek_v4_flash'}",
+         "--set", "distributed.tp_size=8"],  # TP: plan's meta layout imports DeepSpeed
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["model_type"] == "deepseek_v4" and report["fits"] is True
