@@ -17,6 +17,7 @@ then sliced for ``base[a:b]``, or selected and then shuffled for any other expre
 from __future__ import annotations
 
 import json
+import logging
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 from ds_capture.errors import CaptureError
 from ds_capture.messages import Conversation, DroppedParts, normalize_row
+
+_LOG = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # NeMo shuffles the base split and then slices only for this exact form; any other expression
@@ -204,9 +207,13 @@ def _select_local(num_rows: int, path: str, split: str | None) -> range | list[i
     if split is None:
         return range(num_rows)
     ranges = _absolute_ranges(split, {"train": num_rows}, path)
-    if len(ranges) == 1:
-        return range(ranges[0][1], ranges[0][2])
-    return [k for _, start, stop in ranges for k in range(start, stop)]
+    selected = (range(ranges[0][1], ranges[0][2]) if len(ranges) == 1
+                else [k for _, start, stop in ranges for k in range(start, stop)])
+    if len(selected) != num_rows:
+        _LOG.warning("%s: train_split %r selects %d of its %d rows. NeMo AutoModel 0.7.0 ignores train_split for "
+                     "local JSON/JSONL files (its precompute would capture all %d); this cache holds the %d selected.",
+                     path, split, len(selected), num_rows, num_rows, len(selected))
+    return selected
 
 
 # ----------------------------------------------------------------------------- Hugging Face datasets
