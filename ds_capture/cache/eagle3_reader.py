@@ -29,6 +29,7 @@ from ds_capture.cache.eagle3_format import (
 )
 from ds_capture.cache.eagle3_writer import is_complete, read_bookkeeping
 from ds_capture.cache.format import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
+from ds_capture.cache.reader import load_checked_shard, load_tensors
 from ds_capture.errors import CaptureError
 
 _SUM_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
@@ -63,11 +64,6 @@ def completion(cache_dir: Path, manifest: Eagle3Manifest) -> tuple[bool, str]:
 
 def _shard_indices(cache_dir: Path) -> set[int]:
     return {int(m.group(1)) for e in Path(cache_dir).iterdir() if (m := SHARD_RE.match(e.name))}
-
-
-def _load(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(path, framework="pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
 
 
 def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
@@ -111,20 +107,8 @@ def _finish(report):
 
 def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report) -> None:
     name, problems = shard_name(index), report.problems
-    try:
-        tensors = _load(cache_dir / name)
-    except Exception as err:  # safetensors raises several types for damaged files
-        problems.append(f"{name}: unreadable safetensors file ({err})")
-        return
-    expected = manifest.expected_shard_tensors(index)
-    if set(tensors) != set(expected):
-        problems.append(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
-        return
-    layout = [f"{key} is {list(tensors[key].shape)} {tensors[key].dtype}, expected {list(shape)} {dtype}"
-              for key, (shape, dtype) in expected.items()
-              if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype]
-    if layout:
-        problems.extend(f"{name}: {line}" for line in layout)
+    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    if tensors is None:
         return
 
     def fail(what: str, bad: torch.Tensor) -> None:
@@ -164,7 +148,7 @@ def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, problems: list
         problems.append(f"{EMBEDDINGS_NAME} is missing (NeMo's trainer seeds the draft's embed_tokens from it)")
         return
     try:
-        tensors = _load(path)
+        tensors = load_tensors(path)
     except Exception as err:
         problems.append(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})")
         return
@@ -269,7 +253,7 @@ def _compare_files(path_a: Path, path_b: Path, atol: float, rtol: float) -> Shar
         if not path.is_file():
             raise CaptureError(f"{path} is missing: the cache is incomplete (run `ds-capture verify` on it).")
         try:
-            loaded.append(_load(path))
+            loaded.append(load_tensors(path))
         except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a damaged file
             raise CaptureError(f"{path} cannot be read as safetensors ({error}).") from None
     tensors_a, tensors_b = loaded

@@ -174,29 +174,35 @@ def padding_lengths(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor
     return is_pad_reversed.cumprod(dim=-1).sum(dim=-1)
 
 
-def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file."""
     with safe_open(path, framework="pt") as f:
         return {key: f.get_tensor(key) for key in f.keys()}
 
 
-def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: VerifyReport) -> None:
-    name, problems = shard_name(index), report.problems
+def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: list[str]) -> dict[str, torch.Tensor] | None:
+    """Shard ``index``'s tensors when the file reads and holds exactly ``manifest.expected_shard_tensors(index)``
+    (names, shapes, dtypes); otherwise each problem is appended and None returned. Both cache kinds verify this way."""
+    name = shard_name(index)
     try:
-        tensors = _load_shard(cache_dir / name)
+        tensors = load_tensors(Path(cache_dir) / name)
     except Exception as err:  # safetensors raises several types for damaged files
         problems.append(f"{name}: unreadable safetensors file ({err})")
-        return
+        return None
     expected = manifest.expected_shard_tensors(index)
     if set(tensors) != set(expected):
         problems.append(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
-        return
-    bad_layout = False
-    for key, (shape, dtype) in expected.items():
-        t = tensors[key]
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            problems.append(f"{name}: {_layout_mismatch(key, t, shape, dtype)}")
-            bad_layout = True
-    if bad_layout:
+        return None
+    layout = [f"{name}: {_layout_mismatch(key, tensors[key], shape, dtype)}" for key, (shape, dtype) in expected.items()
+              if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype]
+    problems.extend(layout)
+    return None if layout else tensors
+
+
+def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: VerifyReport) -> None:
+    name, problems = shard_name(index), report.problems
+    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    if tensors is None:
         return
     input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
     hidden, last = tensors["target_hidden_states"], tensors["target_last_hidden_states"]
@@ -262,7 +268,7 @@ def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) ->
         problems.append(f"{TARGET_WEIGHTS_NAME} is missing")
         return
     try:
-        tensors = _load_shard(path)
+        tensors = load_tensors(path)
     except Exception as err:
         problems.append(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})")
         return

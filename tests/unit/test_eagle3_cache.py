@@ -138,7 +138,7 @@ def test_verify_accepts_nemo_caches(case):
     (lambda d: _rewrite(d / "shard-000000.safetensors", loss_mask=lambda t: t * 2),
      "shard-000000.safetensors: loss_mask is not 0/1 at "),
     (lambda d: _rewrite(d / "shard-000000.safetensors", target_probs=lambda t: t.to(torch.bfloat16)),
-     "shard-000000.safetensors: target_probs is [4, 48, 96] torch.bfloat16, expected [4, 48, 96] torch.float32"),
+     "shard-000000.safetensors: target_probs is [4, 48, 96] bfloat16, expected [4, 48, 96] float32"),
     (lambda d: _rewrite(d / "target_embeddings.safetensors", weight=lambda t: t.half()),
      "target_embeddings.safetensors: holds {'weight': ([384, 64], 'torch.float16')}, expected exactly weight "
      "[384, 64] float32"),
