@@ -315,9 +315,8 @@ FAMILIES: dict[str, Family] = {
             model_type="gpt_oss", moe_block="mlp", router="router", num_experts_key="num_local_experts",
             attn_implementations=("eager",),
             attn_reason="its attention sinks are in transformers' eager attention; sdpa does not support them",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the per-head attention sinks (self_attn.sinks)",
-                                                model_type="gpt_oss", instead=_USE_EP),
+            # AutoTP mis-shards the per-head sinks: our own head-parallel plan splits them with the heads.
+            tp_plan={**_GQA_TP_PLAN, "self_attn.sinks": "heads"},
         ),
         # GLM-5.3 (glm5_next): no causal-LM mapping, so it loads through the vision-language class (vision tower
         # dropped, never read); KDA + DSA-indexed MLA, hyper-connection layers ([B, S, hc, H]: mean over hc).

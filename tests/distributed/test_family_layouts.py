@@ -62,6 +62,7 @@ EQUAL_CASES = [
 _NEW_FAMILY_CASES = [
     ("glm_moe_dsa", "tp", 2, 2, 1),
     ("deepseek_v4", "tp", 2, 2, 1),  # our own plan: head-parallel queries, sinks and grouped o_a_proj
+    ("gpt_oss", "tp", 2, 2, 1),  # our own plan: head-parallel GQA with its per-head sinks
 ]
 _NEW_FAMILY_SLOW_CASES = [
     ("glm5_next", "ep", 2, 1, 2),
@@ -73,6 +74,7 @@ _NEW_FAMILY_SLOW_CASES = [
     *[(m, layout, 2, 1, ep) for m in ("qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear")
       for layout, ep in (("dp", 1), ("ep", 2), ("fsdp2", 1))],
     ("gpt_oss", "ep", 2, 1, 2),
+    ("gpt_oss", "tp_x_ep", 4, 2, 2),
     ("gpt_oss", "dp", 2, 1, 1),
     ("gpt_oss", "fsdp2", 2, 1, 1),
     ("glm5_next", "dp", 2, 1, 1),
@@ -91,7 +93,7 @@ EQUAL_CASES = [*EQUAL_CASES, *_NEW_FAMILY_CASES,
 REFUSED_CASES = [
     ("llama4", "ep", 2, 1, 2, f"ep_size 2: {FAMILIES['llama4'].ep_refusal}"),
     *[pytest.param(m, "tp", 2, 2, 1, f"tp_size 2: {FAMILIES[m].tp_refusal}", marks=pytest.mark.slow)
-      for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear", "gpt_oss", "glm5_next", "llama4")],
+      for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear", "glm5_next", "llama4")],
 ]
 
 

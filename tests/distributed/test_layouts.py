@@ -79,7 +79,8 @@ BF16_SLOW_FAMILY_LAYOUTS = {
     "glm5_next": ("ep2",),
     "glm4_moe": ("ep2", "tp2ep2"),
     "deepseek_v32": ("ep2", "tp2ep2"),
-    **{m: ("ep2",) for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear", "gpt_oss")},
+    **{m: ("ep2",) for m in ("qwen3_5_moe", "qwen3_next", "minimax_m2", "kimi_linear")},
+    "gpt_oss": ("ep2", "tp2ep2"),  # TP: our own plan (GQA heads with their sinks; o_proj gathered)
 }
 FULL = os.environ.get("DS_CAPTURE_FULL") == "1"
 BF16_CASES = [(m, layout) for m in MODEL_TYPES for layout in LAYOUTS] + [

@@ -92,3 +92,17 @@ def test_deepseek_v4_tp_does_not_split_its_one_kv_head(family_target):
     assert target.num_key_value_heads == 1 and target.tp_key_value_heads is None
     qwen3 = read_target_info(family_target("qwen3"))
     assert qwen3.tp_key_value_heads == qwen3.num_key_value_heads == 2
+
+
+def test_gpt_oss_plan_splits_its_sinks_with_the_heads(family_target):
+    target, model = _meta(family_target("gpt_oss"))
+    heads = model.config.num_attention_heads
+    apply_tensor_parallel(model, target.family, tp_group=None, tp_size=2, tp_rank=1)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        assert attn.sinks.shape == (heads // 2,)
+        assert attn.owned_slices == {"sinks": OwnedSlice(dim=0, start=heads // 2, length=heads // 2)}
+        assert isinstance(attn.q_proj, ColumnParallelLinear) and isinstance(attn.o_proj, GatheredLinear)
+        assert attn.o_proj.owned_slices["bias"] == OwnedSlice(dim=0, start=target.hidden_size // 2,
+                                                              length=target.hidden_size // 2)
+        assert attn.num_key_value_groups == model.config.num_attention_heads // model.config.num_key_value_heads
