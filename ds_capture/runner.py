@@ -244,11 +244,12 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
         for step in range(num_steps):
             batch = batches[step] if step < len(batches) else None
-            input_ids = (batch.model_inputs() if batch is not None else filler)["input_ids"].to(device)
+            inputs = {key: value.to(device) for key, value in
+                      (batch.model_inputs() if batch is not None else filler).items()}
             hooks.reset()
             # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
             # distribution in chunks from the final hidden state, checked against these last logits).
-            output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            output = model(**inputs, use_cache=False, logits_to_keep=1)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
