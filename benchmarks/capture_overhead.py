@@ -52,12 +52,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from ds_capture.config import load_config
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
     from ds_capture.demo import demo_data_path, ensure_demo_target
-    from ds_capture.engine.single import build_single_model
-    from ds_capture.families import read_target_info
+    from ds_capture.parallel.single import build_single_model
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import plan_micro_batches, run_capture
+    from ds_capture.target.families import read_target_info
 
     target_dir = ensure_demo_target()
     split = f"train[:{args.samples}]"

@@ -21,7 +21,7 @@ import torch
 # Runs from a checkout without `pip install -e .`: the repository root holds the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_capture.config import CaptureOptions  # noqa: E402
+from ds_capture.recipe.config import CaptureOptions  # noqa: E402
 
 TRIMMED = CaptureOptions()  # the defaults: length sorted within a shard, padded to a multiple of 64
 FIXED = CaptureOptions(pad_to_multiple_of=0, sort_by_length=False)
@@ -41,8 +41,8 @@ def base_parser(doc: str, *, samples: int = 128, shard_size: int = 16, repeats: 
 @dataclass
 class Workload:
     target_dir: Path
-    target: object  # ds_capture.families.TargetInfo
-    rows: object  # ds_capture.data.TokenizedRows
+    target: object  # ds_capture.target.families.TargetInfo
+    rows: object  # ds_capture.data.tokenization.TokenizedRows
     split: str
     seq_length: int
     micro_batch_size: int
@@ -72,7 +72,7 @@ class Workload:
                 for batch in plan_micro_batches(index, rows, self.micro_batch_size, self.seq_length, options)]
 
     def manifest(self):
-        from ds_capture.cache.format import Manifest
+        from ds_capture.cache.dspark.format import Manifest
 
         t = self.target
         return Manifest(
@@ -98,7 +98,7 @@ class Workload:
         }
 
     def model(self) -> torch.nn.Module:
-        from ds_capture.engine.single import build_single_model
+        from ds_capture.parallel.single import build_single_model
 
         return build_single_model(self.target, dtype=torch.float32, attn_implementation=None)
 
@@ -107,10 +107,10 @@ def workload(args: argparse.Namespace) -> Workload:
     """Demo target + the first ``args.samples`` demo conversations tokenised as the runner does."""
     from transformers import AutoTokenizer
 
-    from ds_capture.capture import resolve_layer_ids
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.capture.hooks import resolve_layer_ids
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
     from ds_capture.demo import demo_data_path, ensure_demo_target
-    from ds_capture.families import read_target_info
+    from ds_capture.target.families import read_target_info
 
     torch.set_num_threads(args.threads)
     target_dir = ensure_demo_target()
@@ -129,7 +129,7 @@ def workload(args: argparse.Namespace) -> Workload:
 def capture_loop(model: torch.nn.Module, work: Workload, batches: list, sink: Callable | None = None) -> float:
     """The runner's compute loop (hooks, forward, collect) over ``batches``; ``sink(batch, hidden, last)``
     gets each result (e.g. a shard writer's ``put``). Returns seconds."""
-    from ds_capture.capture import capture_hidden_states
+    from ds_capture.capture.hooks import capture_hidden_states
 
     target = work.target
     started = time.perf_counter()
@@ -146,7 +146,7 @@ def capture_loop(model: torch.nn.Module, work: Workload, batches: list, sink: Ca
 
 
 def micro_batch(batch, hidden: torch.Tensor, last: torch.Tensor):
-    from ds_capture.cache.async_writer import MicroBatch
+    from ds_capture.cache.common.async_writer import MicroBatch
 
     return MicroBatch(shard_index=batch.shard_index, rows=batch.rows, num_tokens=batch.num_tokens,
                       tensors={"input_ids": batch.input_ids, "loss_mask": batch.loss_mask,

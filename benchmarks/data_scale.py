@@ -53,10 +53,11 @@ def _digest(rows_ids, rows_mask) -> str:
 
 def run_ours(args) -> dict:
     sys.path.insert(0, str(ROOT))
-    from ds_capture.data import resolve_chat_template, tokenize_conversations
-    from ds_capture.plan import build_plan
-    from ds_capture.reading import open_dataset
     from transformers import AutoTokenizer
+
+    from ds_capture.data.reading import open_dataset
+    from ds_capture.data.tokenization import resolve_chat_template, tokenize_conversations
+    from ds_capture.parallel.layout import build_plan
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     template = resolve_chat_template(tokenizer, None)

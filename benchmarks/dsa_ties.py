@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from ds_capture.demo import TINY_CONFIGS, _padded_vocab_size, demo_data_path, demo_tokenizer
-from ds_capture.families import FAMILIES
+from ds_capture.target.families import FAMILIES
 
 FAMILIES_WITH_DSA = ("deepseek_v32", "glm_moe_dsa", "glm5_next", "deepseek_v4")
 HEAD_COUNTS = (2, 16)

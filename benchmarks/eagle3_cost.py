@@ -53,9 +53,9 @@ def _components(args) -> dict:
 
     from common import TRIMMED, workload
 
-    from ds_capture.capture import capture_hidden_states
-    from ds_capture.draft_distribution import DraftDistribution
-    from ds_capture.dspark import read_target_weights
+    from ds_capture.cache.dspark.kind import read_target_weights
+    from ds_capture.cache.eagle3.draft_distribution import DraftDistribution
+    from ds_capture.capture.hooks import capture_hidden_states
 
     work = workload(args)
     model = work.model()
@@ -102,10 +102,10 @@ def main() -> dict:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from ds_capture.config import parse_config
     from ds_capture.demo import ensure_demo_target
-    from ds_capture.families import read_target_info
+    from ds_capture.recipe.config import parse_config
     from ds_capture.runner import run_capture
+    from ds_capture.target.families import read_target_info
 
     target_dir = ensure_demo_target()
     target = read_target_info(target_dir)

@@ -5,7 +5,7 @@ seq 512. Out: one JSON object on stdout: each path's runs, median seconds and to
 ``ratio`` = run_capture tokens/s / baseline tokens/s (goal: >= 2).
 
 Both paths are timed around everything they do, from the dataset file to the last byte on disk:
-tokenisation (the same ``ds_capture.data`` functions), model load, forwards, writes.
+tokenisation (the same ``ds_capture.data.tokenization`` functions), model load, forwards, writes.
 
 - ``baseline`` (kept here as the reference): the plain loop one would write first. Every micro-batch
   (dataset order) is forwarded at the full seq_length with an attention mask; forward hooks on the
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import yaml
-
 from common import base_parser, interleaved, median, summary, workload
 
 
@@ -37,7 +36,7 @@ def baseline(work, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
     from ds_capture.demo import demo_data_path
 
     out.mkdir(parents=True)
@@ -86,7 +85,7 @@ def main() -> None:
     args = base_parser(__doc__, samples=128, shard_size=64).parse_args()
     work = workload(args)  # builds the demo target once, outside the timings
 
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     with tempfile.TemporaryDirectory(prefix="end_to_end-") as tmp:

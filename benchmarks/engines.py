@@ -9,7 +9,7 @@ Out: one JSON object on stdout (per layout: tokens/s of the capture loop, wall t
 
 Every layout runs the real ``ds_capture run`` path (``run_capture``) under ``torchrun`` with one intra-op
 thread per rank, the single process included (this box is shared: a second thread there oversubscribes the
-cores and makes the baseline noisy), so "vs single" is the speed-up from the second rank. Load time is the time spent in ``ds_capture.engine.build_model`` (wrapped here, nothing else is
+cores and makes the baseline noisy), so "vs single" is the speed-up from the second rank. Load time is the time spent in ``ds_capture.parallel.engines.build_model`` (wrapped here, nothing else is
 changed); tokens/s counts non-padding tokens over the forward/write loop only. Run it with:
 
     . .venv/bin/activate
@@ -46,7 +46,7 @@ def worker(config: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     import ds_capture.runner as runner
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
 
     load_seconds = []
     build_model = runner.build_model
@@ -164,7 +164,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from ds_capture.cache.compare import compare_caches
+    from ds_capture.cache.dspark.compare import compare_caches
     from ds_capture.demo import build_tiny_target
 
     started = time.perf_counter()

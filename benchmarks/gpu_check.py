@@ -124,9 +124,9 @@ def _compare(a: Path, b: Path) -> dict:
 
 
 def check_layouts(work: Path, num_gpus: int, *, quick: bool) -> list[dict]:
-    from ds_capture.demo import build_tiny_target, demo_data_path
-
     import torch
+
+    from ds_capture.demo import build_tiny_target, demo_data_path
 
     results = []
     families = ("qwen3_moe",) if quick else ("qwen3_moe", *EP_ONLY_FAMILIES)
@@ -175,9 +175,9 @@ def _model_flops_per_token(config: dict, seq_length: int) -> float:
 
 
 def check_throughput(work: Path, num_gpus: int, peak_tflops: float | None, *, quick: bool) -> list[dict]:
-    from ds_capture.demo import build_tiny_target
-
     import torch
+
+    from ds_capture.demo import build_tiny_target
 
     seq_length, rows = 2048, 256
     target = build_tiny_target(work / "targets" / "throughput", "qwen3_moe", dtype=torch.bfloat16,
@@ -202,8 +202,8 @@ def check_throughput(work: Path, num_gpus: int, peak_tflops: float | None, *, qu
 
 def check_memory(work: Path) -> dict:
     """Queued shards hold no device memory, and plan's estimate bounds the measured peak."""
-    from ds_capture.config import load_config
-    from ds_capture.sizing import plan_capture
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
 
     target, data = work / "targets" / "throughput", work / "long.jsonl"
     peaks, estimate = {}, None

@@ -2,7 +2,7 @@
 
 In:  nothing (a random-init Qwen3-MoE checkpoint of ~0.6 GB fp32 is built under /tmp and deleted after).
 Out: one JSON object on stdout (also benchmarks/results/load_memory.json): the checkpoint bytes; for
-     ``from_pretrained`` (plain Hugging Face, ``ds_capture.engine.single.load_with_from_pretrained``), ``single``
+     ``from_pretrained`` (plain Hugging Face, ``ds_capture.parallel.single.load_with_from_pretrained``), ``single``
      (the world-of-one engine: meta build + the sliced loader, ``build_single_model``) and each
      sharded layout (DeepSpeed engine, ``build_sharded_model`` in a torchrun worker), per rank:
        * ``code_import_mb``: RSS that importing the model's code adds (the transformers modeling module pulls
@@ -46,11 +46,11 @@ def worker(target_dir: str, tp_size: int, ep_size: int, hf: bool = False) -> Non
     import torch
 
     torch.set_num_threads(1)
-    from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
-    from ds_capture.engine.deepspeed_engine import build_sharded_model
-    from ds_capture.engine.single import build_single_model, load_with_from_pretrained
-    from ds_capture.families import read_target_info
-    from ds_capture.plan import ParallelPlan, build_plan, new_groups
+    from ds_capture.parallel.deepspeed_engine import build_sharded_model
+    from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
+    from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups
+    from ds_capture.parallel.single import build_single_model, load_with_from_pretrained
+    from ds_capture.target.families import read_target_info
 
     target = read_target_info(Path(target_dir))
     start_kb = _status_kb("VmRSS")  # torch and ds_capture's own modules imported

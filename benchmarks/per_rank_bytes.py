@@ -2,8 +2,8 @@
 
 In:  a model type whose transformers config defaults are the release's sizes (default ``glm_moe_dsa``: GLM-5), a
      dtype and ``tp x ep`` layouts. The model is built on ``meta`` (no memory), then the same functions the
-     DeepSpeed engine applies shard it for rank 0: :func:`~ds_capture.engine.expert_parallel.apply_expert_parallel`
-     and, for a family with a ``tp_plan``, :func:`~ds_capture.engine.tensor_parallel.apply_tensor_parallel`
+     DeepSpeed engine applies shard it for rank 0: :func:`~ds_capture.parallel.expert_parallel.apply_expert_parallel`
+     and, for a family with a ``tp_plan``, :func:`~ds_capture.parallel.tensor_parallel.apply_tensor_parallel`
      (a layout needing AutoTP is skipped: AutoTP needs real ranks).
 Out: JSON on stdout: per layout, the rank's routed-expert bytes, the rest ("dense") and the total, in GiB.
 
@@ -19,9 +19,9 @@ import json
 import torch
 import transformers
 
-from ds_capture.engine.expert_parallel import apply_expert_parallel, moe_experts_modules
-from ds_capture.engine.tensor_parallel import apply_tensor_parallel
-from ds_capture.families import FAMILIES
+from ds_capture.parallel.expert_parallel import apply_expert_parallel, moe_experts_modules
+from ds_capture.parallel.tensor_parallel import apply_tensor_parallel
+from ds_capture.target.families import FAMILIES
 
 
 def per_rank_bytes(model_type: str, tp_size: int, ep_size: int, dtype: torch.dtype) -> dict:

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from write_path_workload import MICRO_BATCH_SIZE, SEQ_LENGTH, build_workload
 
 
@@ -37,11 +36,10 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("/tmp/ds_capture_limits"))
     args = parser.parse_args()
 
-    from ds_capture.cache.format import DTYPES
-    from ds_capture.config import load_config
-    from ds_capture.runner import run_capture
-
     import ds_capture.runner as runner
+    from ds_capture.cache.dspark.format import DTYPES
+    from ds_capture.recipe.config import load_config
+    from ds_capture.runner import run_capture
 
     work = build_workload(args.root)
     cfg = load_config(work.recipe(args.root / "out"))
@@ -90,8 +88,8 @@ def main() -> None:
 
 def summary_features(cfg, work) -> int:
     """Features per position over both state tensors: H * (k + 1)."""
-    from ds_capture.capture import resolve_layer_ids
-    from ds_capture.families import read_target_info
+    from ds_capture.capture.hooks import resolve_layer_ids
+    from ds_capture.target.families import read_target_info
 
     target = read_target_info(work.target)
     ids = resolve_layer_ids(cfg.recipe_args.target_layer_ids, target.num_hidden_layers,
@@ -105,8 +103,8 @@ def _state_and_int_bytes(real_tokens: int, features: int, itemsize: int, rows: i
 
 def _header_bytes(cache: Path) -> int:
     """The safetensors headers of the shards, computed from the manifest (not from what was written)."""
-    from ds_capture.cache.reader import read_manifest
-    from ds_capture.cache.shard_file import SafetensorsLayout
+    from ds_capture.cache.common.shard_file import SafetensorsLayout
+    from ds_capture.cache.dspark.reader import read_manifest
 
     manifest = read_manifest(cache)
     return sum(len(SafetensorsLayout.build(manifest.expected_shard_tensors(i)).header)
@@ -116,7 +114,7 @@ def _header_bytes(cache: Path) -> int:
 def _batches(cfg, work):
     from transformers import AutoTokenizer
 
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
     from ds_capture.runner import plan_micro_batches
 
     args = cfg.recipe_args

@@ -44,10 +44,10 @@ def worker(target_dir: str, ep_size: int, storage: str) -> None:
     import deepspeed.module_inject.layers  # noqa: F401  (imported before the baseline, as load_memory does)
     import transformers
 
-    from ds_capture.dist import discover_env, distributed_session
-    from ds_capture.engine import build_model
-    from ds_capture.families import read_target_info
-    from ds_capture.plan import ParallelPlan, build_plan, new_groups
+    from ds_capture.parallel.dist import discover_env, distributed_session
+    from ds_capture.parallel.engines import build_model
+    from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups
+    from ds_capture.target.families import read_target_info
 
     target = read_target_info(Path(target_dir))
     target.family.model_class(transformers.AutoConfig.from_pretrained(target.path))
@@ -60,7 +60,7 @@ def worker(target_dir: str, ep_size: int, storage: str) -> None:
                               num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                               num_key_value_heads=target.num_key_value_heads)
             groups = new_groups(plan)
-        from ds_capture.engine import loading
+        from ds_capture.target import loading
 
         stats_box = {}
         fill = loading.fill_from_checkpoint
@@ -95,8 +95,8 @@ def main() -> None:
     parser.add_argument("--out", default="quant_memory.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "distributed"), str(REPO / "tests" / "unit")]
-    from launchers import run_launcher
     import quant_release as qr
+    from launchers import run_launcher
 
     tmp = Path(tempfile.mkdtemp(prefix="ds_capture_quant_memory_", dir="/tmp"))
     try:

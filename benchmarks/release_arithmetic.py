@@ -42,8 +42,8 @@ def count(model_type: str, overrides: dict) -> dict:
     import torch
     import transformers
 
-    from ds_capture.engine.expert_parallel import moe_experts_modules
-    from ds_capture.families import FAMILIES
+    from ds_capture.parallel.expert_parallel import moe_experts_modules
+    from ds_capture.target.families import FAMILIES
 
     family = FAMILIES[model_type]
     config = transformers.AutoConfig.for_model(model_type, **overrides)

@@ -23,7 +23,6 @@ import shutil
 from pathlib import Path
 
 import torch
-
 from write_path_workload import build_workload
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -38,7 +37,7 @@ def main() -> None:
     args.root.mkdir(parents=True, exist_ok=True)
     cases = {}
     if not args.skip_runs:
-        from ds_capture.config import load_config
+        from ds_capture.recipe.config import load_config
         from ds_capture.runner import run_capture
 
         work = build_workload(args.root)
@@ -61,14 +60,14 @@ def _case(logical: int, written: int, disk: int) -> dict:
 
 
 def _position_padding(cache: Path) -> float:
-    from ds_capture.cache.reader import inspect_cache
+    from ds_capture.cache.dspark.reader import inspect_cache
 
     return inspect_cache(cache)["padding_fraction"]
 
 
 def _wide(out: Path, rows: int) -> dict:
-    from ds_capture.cache.format import Manifest
-    from ds_capture.cache.writer import DSparkShards
+    from ds_capture.cache.dspark.format import Manifest
+    from ds_capture.cache.dspark.writer import DSparkShards
 
     H, k, S = 4096, 4, 4096
     manifest = Manifest(target_model="wide", target_model_type="synthetic", target_vocab_size=32000, hidden_size=H,

@@ -173,7 +173,7 @@ def _nemo_missing(python: str) -> str | None:
 def _pad_id(target: Path) -> int:
     from transformers import AutoTokenizer
 
-    from ds_capture.data import pad_token_id
+    from ds_capture.data.tokenization import pad_token_id
 
     return pad_token_id(AutoTokenizer.from_pretrained(str(target)))
 

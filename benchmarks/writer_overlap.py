@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import TRIMMED, base_parser, capture_loop, interleaved, median, micro_batch, summary, workload
 
-import ds_capture.cache.async_writer as async_writer  # noqa: E402 - after common puts the checkout on sys.path
-from ds_capture.cache.writer import DSparkShards  # noqa: E402
-from ds_capture.dspark import host_staging  # noqa: E402
+import ds_capture.cache.common.async_writer as async_writer  # noqa: E402 - after common puts the checkout on sys.path
+from ds_capture.cache.dspark.kind import host_staging  # noqa: E402
+from ds_capture.cache.dspark.writer import DSparkShards  # noqa: E402
 
 
 def main() -> None:

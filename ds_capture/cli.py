@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from ds_capture import __version__
-from ds_capture.dist import AgreedError
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.dist import AgreedError
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
                         format="[ds_capture] %(levelname)s %(message)s")
-    from ds_capture.dist import quiet_deepspeed_accelerator
+    from ds_capture.parallel.dist import quiet_deepspeed_accelerator
 
     quiet_deepspeed_accelerator()
     try:
@@ -128,7 +128,7 @@ def _is_rank0() -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     cfg = load_config(args.config, args.overrides)
@@ -139,8 +139,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ds_capture.config import load_config
-    from ds_capture.sizing import plan_capture
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
 
     report = plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
                           gpu_memory_gib=args.gpu_memory_gib)
@@ -149,7 +149,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ds_capture.cache.reader import verify_cache
+    from ds_capture.cache.dspark.reader import verify_cache
 
     report = verify_cache(args.cache_dir, checksums=args.checksums)
     if args.json:
@@ -164,7 +164,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ds_capture.cache.reader import format_inspect, inspect_cache
+    from ds_capture.cache.dspark.reader import format_inspect, inspect_cache
 
     info = inspect_cache(args.cache_dir)
     print(json.dumps(info, indent=2, sort_keys=True, default=str) if args.json else format_inspect(info))
@@ -172,7 +172,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from ds_capture.cache.compare import compare_caches
+    from ds_capture.cache.dspark.compare import compare_caches
 
     report = compare_caches(args.cache_a, args.cache_b, atol=args.atol, rtol=args.rtol)
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.format())

@@ -27,7 +27,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_capture.errors import CaptureError
-from ds_capture.families import FAMILIES
+from ds_capture.target.families import FAMILIES
 
 DEMO_TARGET = "demo:qwen3_moe_tiny"
 DEMO_DATA = "demo:conversations"

@@ -1,6 +1,6 @@
 """The capture loop: config -> plan -> data -> engine -> hooks -> cache, in lockstep over all ranks.
 
-In: a validated :class:`~ds_capture.config.RunConfig`. Out: a cache directory (DESIGN §3) and a
+In: a validated :class:`~ds_capture.recipe.config.RunConfig`. Out: a cache directory (DESIGN §3) and a
 :class:`RunSummary`. Everything a user can get wrong (config, target, layout, data rows, a
 foreign output directory) is checked before any weight loads, and a refusal on rank 0 reaches
 every rank at once. Each data-parallel rank forwards its contiguous, shard-aligned slice and its
@@ -23,34 +23,34 @@ from typing import Iterator
 
 import torch
 
-from ds_capture.cache.format import BOOKKEEPING_DIR, DTYPES, Manifest
-from ds_capture.cache_kind import CacheKind
-from ds_capture.cache.writer import write_atomic
-from ds_capture.capture import capture_hidden_states
-from ds_capture.config import RunConfig
-from ds_capture.data import (
+from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, DTYPES, Manifest
+from ds_capture.cache.dspark.kind import DSparkKind
+from ds_capture.cache.dspark.writer import write_atomic
+from ds_capture.cache.kind import CacheKind
+from ds_capture.capture.hooks import capture_hidden_states
+from ds_capture.capture.progress import Progress, collective_device
+from ds_capture.capture.safety import FailFast, OutputLock
+from ds_capture.data.tokenization import (
     open_dataset,
     pad_token_id,
     resolve_chat_template,
     tokenize_conversations,
 )
-from ds_capture.inputs import check_checkpoint_files, check_token_ids, load_tokenizer, require_tokens
 from ds_capture.demo import resolve_special_path
-from ds_capture.dspark import DSparkKind
-from ds_capture.dist import (
+from ds_capture.errors import CaptureError
+from ds_capture.parallel.dist import (
     agree_on_error,
     all_reduce_max_int,
     discover_env,
     distributed_session,
     repair_cpu_allreduce,
 )
-from ds_capture.engine import build_model
-from ds_capture.errors import CaptureError
-from ds_capture.families import TargetInfo, read_target_info
-from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
-from ds_capture.progress import Progress, collective_device
-from ds_capture.safety import FailFast, OutputLock
-from ds_capture.sizing import refuse_if_not_fitting
+from ds_capture.parallel.engines import build_model
+from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups, resolve_degrees
+from ds_capture.recipe.config import RunConfig
+from ds_capture.sizing.command import refuse_if_not_fitting
+from ds_capture.target.families import TargetInfo, read_target_info
+from ds_capture.target.inputs import check_checkpoint_files, check_token_ids, load_tokenizer, require_tokens
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -132,7 +132,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
 def select_cache_kind(cfg: RunConfig) -> CacheKind:
     """The one place the cache kind is chosen (``cache_kind``)."""
     if cfg.cache_kind == "eagle3":
-        from ds_capture.eagle3 import Eagle3Kind  # imports this module: chosen lazily
+        from ds_capture.cache.eagle3.kind import Eagle3Kind  # imports this module: chosen lazily
 
         return Eagle3Kind(cfg)
     return DSparkKind(cfg)

@@ -39,7 +39,7 @@ def load_cache(cache_dir: Path) -> dict[str, torch.Tensor]:
 def nemo_case_recipe(case: str, target: Path, out_dir: Path) -> dict:
     """Our YAML mapping for a fixture case: NeMo's recorded argv mapped one to one (``recipe_from_nemo_argv``),
     the paths of this machine, and NeMo's CPU compute dtype (fp32)."""
-    from ds_capture.eagle3 import recipe_from_nemo_argv
+    from ds_capture.cache.eagle3.kind import recipe_from_nemo_argv
 
     argv = json.loads((FIXTURES / f"{case}.nemo_args.json").read_text())["argv"]
     raw = recipe_from_nemo_argv(argv)
@@ -54,7 +54,7 @@ def content_lengths(target: Path, manifest: dict) -> torch.Tensor:
     """num_tokens per fixture row (our own tokenisation; its ids and masks are checked equal to NeMo's)."""
     from transformers import AutoTokenizer
 
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     rows = tokenize_conversations(

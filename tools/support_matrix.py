@@ -2,7 +2,7 @@
 
 In:  ``benchmarks/results/support_matrix.json``, written by ``tests/distributed/test_family_layouts.py`` (per
      family and layout: ``equal`` with the max relative diff vs one process, ``differs``, or ``refused`` with the
-     reason), and the refusals declared in ``ds_capture.families.FAMILIES``.
+     reason), and the refusals declared in ``ds_capture.target.families.FAMILIES``.
 Out: a markdown table on stdout; a layout with no test result and no declared refusal reads "untested".
 
     python -m pytest tests/unit/test_families.py tests/distributed/test_family_layouts.py
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from ds_capture.families import FAMILIES  # noqa: E402
+from ds_capture.target.families import FAMILIES  # noqa: E402
 
 LAYOUTS = (("single", "single"), ("dp", "DP"), ("tp", "TP"), ("ep", "EP"), ("tp_x_ep", "TP x EP"),
            ("fsdp2", "FSDP2"))

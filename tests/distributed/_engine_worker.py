@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.engine.deepspeed_engine import build_sharded_model
-from ds_capture.engine.single import load_with_from_pretrained
-from ds_capture.families import get_submodule, read_target_info
-from ds_capture.plan import build_plan, new_groups
+from ds_capture.parallel.deepspeed_engine import build_sharded_model
+from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.parallel.single import load_with_from_pretrained
+from ds_capture.target.families import get_submodule, read_target_info
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -52,10 +52,10 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     try:
-        from ds_capture.engine.fsdp2_engine import build_fsdp2_model
-        from ds_capture.engine.single import load_with_from_pretrained
-        from ds_capture.families import read_target_info
-        from ds_capture.plan import build_plan
+        from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
+        from ds_capture.parallel.layout import build_plan
+        from ds_capture.parallel.single import load_with_from_pretrained
+        from ds_capture.target.families import read_target_info
 
         rank, world = dist.get_rank(), dist.get_world_size()
         target = read_target_info(args.target)

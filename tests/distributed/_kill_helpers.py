@@ -74,7 +74,7 @@ def install_kill(spec: str) -> None:
         raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
     if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
         return
-    import ds_capture.cache.writer as writer
+    import ds_capture.cache.dspark.writer as writer
     import ds_capture.runner as runner
 
     count = [0]
@@ -94,7 +94,7 @@ def install_kill(spec: str) -> None:
 
         runner.build_model = build_and_arm
     elif point == "save":
-        from ds_capture.cache.shard_file import ShardFile
+        from ds_capture.cache.common.shard_file import ShardFile
 
         finish = ShardFile.finish
 
@@ -116,7 +116,7 @@ def install_kill(spec: str) -> None:
 
         writer.write_atomic = atomic_or_die
     else:
-        import ds_capture.dspark as dspark  # the DSpark kind writes both manifests (complete false, then true)
+        import ds_capture.cache.dspark.kind as dspark  # the DSpark kind writes both manifests (complete false, then true)
 
         write_manifest = dspark.write_manifest
 
@@ -136,7 +136,7 @@ def install_kill(spec: str) -> None:
 def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None, log_path: Path
            ) -> tuple[subprocess.Popen, int]:
     """Start ``argv`` on ``nproc`` ranks through launcher ``kind`` in a new session; (process, master port)."""
-    from tests.distributed.launchers import child_env, free_port, launcher_commands, REPO_ROOT
+    from tests.distributed.launchers import REPO_ROOT, child_env, free_port, launcher_commands
 
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="ds_capture_kill_"))
@@ -258,7 +258,7 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
                 else:
                     from dataclasses import asdict
 
-                    from ds_capture.config import load_config
+                    from ds_capture.recipe.config import load_config
                     from ds_capture.runner import run_capture
 
                     summary = run_capture(load_config(cfg_path), show_progress=False)
@@ -321,7 +321,7 @@ def shard_files(out_dir: Path) -> list[str]:
 
 def finished_shards(out_dir: Path) -> set[int]:
     """Shards under their final name whose bytes match the sidecar (what a rerun must keep)."""
-    from ds_capture.cache.shard_file import file_digest
+    from ds_capture.cache.common.shard_file import file_digest
 
     out_dir = Path(out_dir)
     done = set()

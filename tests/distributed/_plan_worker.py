@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.engine.deepspeed_engine import build_sharded_model
-from ds_capture.engine.fsdp2_engine import build_fsdp2_model
-from ds_capture.families import read_target_info
-from ds_capture.plan import build_plan, new_groups
+from ds_capture.parallel.deepspeed_engine import build_sharded_model
+from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
+from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.target.families import read_target_info
 
 
 def local_tensors(model: torch.nn.Module) -> dict[str, list[int]]:

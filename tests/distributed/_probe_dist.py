@@ -20,10 +20,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ds_capture.dist import (agree_on_error, all_reduce_max_int, discover_env,  # noqa: E402
-                             distributed_session, repair_cpu_allreduce, shm_buffer_glob)
 from ds_capture.errors import CaptureError  # noqa: E402
-from ds_capture.plan import build_plan, new_groups  # noqa: E402
+from ds_capture.parallel.dist import (  # noqa: E402
+    agree_on_error,
+    all_reduce_max_int,
+    discover_env,
+    distributed_session,
+    repair_cpu_allreduce,
+    shm_buffer_glob,
+)
+from ds_capture.parallel.layout import build_plan, new_groups  # noqa: E402
 
 
 def main() -> None:

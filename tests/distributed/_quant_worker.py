@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.families import read_target_info
-from ds_capture.plan import build_plan, new_groups
+from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.target.families import read_target_info
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,14 +37,14 @@ def build(case: dict, path: str, env, storage: str):
     groups = new_groups(plan)
     repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == env.world_size)
     if case["engine"] == "fsdp2":
-        from ds_capture.engine import fsdp2_engine as fsdp2
-        from ds_capture.engine.loading import build_meta_model
+        from ds_capture.parallel import fsdp2_engine as fsdp2
+        from ds_capture.target.loading import build_meta_model
 
         model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
         fsdp2.apply_fsdp(model, target, fsdp2._mesh(plan.world_size, torch.device("cpu")))
         stats = fsdp2.load_fsdp_shards(model, target, device=torch.device("cpu"))
     else:
-        from ds_capture.engine.deepspeed_engine import build_sharded_model
+        from ds_capture.parallel.deepspeed_engine import build_sharded_model
 
         model, stats = build_sharded_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
                                            ds_config=None, expert_storage=storage)

@@ -84,7 +84,7 @@ def test_a_bad_row_in_rank_1s_range_stops_every_rank_before_anything_is_written(
 def test_reduced_depth_at_ep2_equals_the_single_process(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     ensure_shm_op_built()

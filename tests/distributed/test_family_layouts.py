@@ -27,7 +27,7 @@ from support import max_rel_diff, record  # noqa: E402
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
 from test_families import family_target_builder  # noqa: E402
 
-from ds_capture.families import FAMILIES  # noqa: E402
+from ds_capture.target.families import FAMILIES  # noqa: E402
 
 LAYER_IDS = [-1, 0, 1, 2, 3]
 
@@ -57,7 +57,7 @@ EQUAL_CASES = [
     ("kimi_k25", "fsdp2", 2, 1, 1),
 ]
 # The families added for today's drafters (their single-process equality runs in CI: tests/unit/test_families.py)
-# and our own TP plans: only TP=2 for glm_moe_dsa through our own plan (ds_capture.engine.tensor_parallel) stays in
+# and our own TP plans: only TP=2 for glm_moe_dsa through our own plan (ds_capture.parallel.tensor_parallel) stays in
 # CI; every other cell is slow (measured once with DS_CAPTURE_FULL=1: the support table).
 _NEW_FAMILY_CASES = [
     ("glm_moe_dsa", "tp", 2, 2, 1),

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import max_rel_diff, record  # noqa: E402
 
-from ds_capture.cache.compare import DEFAULT_TOLERANCES, compare_caches  # noqa: E402
-from ds_capture.cache.reader import read_manifest  # noqa: E402
+from ds_capture.cache.dspark.compare import DEFAULT_TOLERANCES, compare_caches  # noqa: E402
+from ds_capture.cache.dspark.reader import read_manifest  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 WORKER = "tests/distributed/_fsdp2_worker.py"
@@ -48,7 +48,7 @@ def _recipe(path: Path, target: Path, out: Path, *, engine: str, dtype: str = "f
 
 def _single_cache(tmp_path: Path, target: Path) -> Path:
     """The reference: the same recipe in this process, world 1 (the plain Hugging Face model)."""
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     out = tmp_path / "single"

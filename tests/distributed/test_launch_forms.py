@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, have_mpirun, run_launcher  # noqa: E402
 from support import safetensors_digests  # noqa: E402
 
-from ds_capture.cache.format import IDENTITY_FIELDS  # noqa: E402
-from ds_capture.cache.reader import verify_cache  # noqa: E402
+from ds_capture.cache.dspark.format import IDENTITY_FIELDS  # noqa: E402
+from ds_capture.cache.dspark.reader import verify_cache  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 

@@ -101,8 +101,8 @@ def _worker(specs_path: str, out_root: str) -> None:
 
     torch.set_num_threads(1)
     import ds_capture.runner as runner
-    from ds_capture.config import load_config
-    from ds_capture.families import get_submodule
+    from ds_capture.recipe.config import load_config
+    from ds_capture.target.families import get_submodule
 
     real_build_model = runner.build_model
     real_model_inputs = runner.PlannedBatch.model_inputs
@@ -168,7 +168,6 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import record  # noqa: E402
 
@@ -288,7 +287,7 @@ def _compare_caches(got: Path, want: Path) -> dict:
 
     manifest = json.loads((want / "manifest.json").read_text())
     got_manifest = json.loads((got / "manifest.json").read_text())
-    from ds_capture.cache.format import IDENTITY_FIELDS
+    from ds_capture.cache.dspark.format import IDENTITY_FIELDS
 
     identity = {k: manifest[k] for k in IDENTITY_FIELDS}
     assert {k: got_manifest.get(k) for k in identity} == identity
@@ -363,11 +362,11 @@ def test_bf16_compute_same_experts_and_states(layout_runs, model_type, layout):
     tp_size = LAYOUTS[layout][1]
     total = sum(s["tokens"] for s in routes["per_layer"].values())
     assert total > 0
-    from ds_capture.families import FAMILIES
+    from ds_capture.target.families import FAMILIES
 
     if tp_size == 1 or FAMILIES[model_type].tp_plan:
         # DP and EP run the model's own math on the same rows; our own TP plans add no partial sums
-        # (ds_capture.engine.tensor_parallel.GatheredLinear): bit-identical.
+        # (ds_capture.parallel.tensor_parallel.GatheredLinear): bit-identical.
         assert not routes["flips"], routes["per_layer"]
         assert all(s["max_abs"] == 0.0 for s in cache.values()), cache
         return

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_capture.config import parse_config
-from ds_capture.families import read_target_info
-from ds_capture.sizing_count import Sizer, fsdp2_local_numel
+from ds_capture.recipe.config import parse_config
+from ds_capture.sizing.count import Sizer, fsdp2_local_numel
+from ds_capture.target.families import read_target_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import run_launcher  # noqa: E402

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import safetensors_digests  # noqa: E402
 
-from ds_capture.cache.reader import verify_cache  # noqa: E402
+from ds_capture.cache.dspark.reader import verify_cache  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 LAYOUT_WORKER = str(Path(__file__).resolve().parent / "test_layouts.py")
@@ -50,7 +50,7 @@ def _recipe(path: Path, target: Path, out: Path, num_samples: int) -> Path:
 @pytest.fixture(scope="module")
 def uneven_runs(tiny_target, tmp_path_factory) -> dict:
     """Single-process references in this process; the world-2 cases in one launch, world 4 through the CLI."""
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     ensure_shm_op_built()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.cache.format import DTYPES, Manifest
-from ds_capture.cache.writer import write_manifest, write_shard, write_target_weights
+from ds_capture.cache.dspark.format import DTYPES, Manifest
+from ds_capture.cache.dspark.writer import write_manifest, write_shard, write_target_weights
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_dspark_v1"
 PAD_ID = 7

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cache_helpers import fixture_dir, make_manifest
 
-from ds_capture.cache.format import (
+from ds_capture.cache.dspark.format import (
     DTYPES,
     IDENTITY_FIELDS,
     SHARD_RE,

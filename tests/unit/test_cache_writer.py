@@ -9,10 +9,10 @@ import torch
 from cache_helpers import PAD_ID, copy_fixture, fixture_dir, hash_tree, make_manifest, make_shard_tensors, write_cache
 from safetensors.torch import load_file
 
-import ds_capture.cache.writer as writer
-from ds_capture.cache.format import IDENTITY_FIELDS, Manifest, shard_name
-from ds_capture.cache.shard_file import file_digest
-from ds_capture.cache.writer import (
+import ds_capture.cache.dspark.writer as writer
+from ds_capture.cache.common.shard_file import file_digest
+from ds_capture.cache.dspark.format import IDENTITY_FIELDS, Manifest, shard_name
+from ds_capture.cache.dspark.writer import (
     prepare_output_dir,
     read_recorded_checksum,
     sha256_file,

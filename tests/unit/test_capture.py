@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ds_capture.capture import capture_hidden_states, default_layer_ids, resolve_layer_ids
+from ds_capture.capture.hooks import capture_hidden_states, default_layer_ids, resolve_layer_ids
 from ds_capture.errors import CaptureError
-from ds_capture.families import get_family
+from ds_capture.target.families import get_family
+
 
 # Worked by hand from DESIGN §3: n = min(5, L-1) ids round(1 + i*(L-2)/(n-1)), round half to even.
 #   L=12: 1, 3.5, 6, 8.5, 11      -> 1, 4, 6, 8, 11

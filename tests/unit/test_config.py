@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from ds_capture.config import RecipeArgs, load_config
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import RecipeArgs, load_config
 
 # The valid keys a message must list: every field of the section's dataclass, sorted.
 RECIPE_ARGS_KEYS = ", ".join(sorted(f.name for f in dataclasses.fields(RecipeArgs)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from ds_capture.data import read_conversations
+from ds_capture.data.tokenization import read_conversations
 from ds_capture.errors import CaptureError
 
 
@@ -58,13 +58,13 @@ def test_jsonl_split_slices_in_file_order(jsonl10, split, expected):
 
 
 def test_a_slice_of_a_local_file_warns_that_nemo_ignores_it(jsonl10, caplog):
-    with caplog.at_level("WARNING", logger="ds_capture.reading"):
+    with caplog.at_level("WARNING", logger="ds_capture.data.reading"):
         read_conversations(jsonl10, split="train[2:5]", shuffle_seed=42)
     assert [r.getMessage() for r in caplog.records] == [
         f"{jsonl10}: train_split 'train[2:5]' selects 3 of its 10 rows. NeMo AutoModel 0.7.0 ignores train_split "
         "for local JSON/JSONL files (its precompute would capture all 10); this cache holds the 3 selected."]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="ds_capture.reading"):
+    with caplog.at_level("WARNING", logger="ds_capture.data.reading"):
         read_conversations(jsonl10, split="train", shuffle_seed=42)
     assert not caplog.records
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_capture.data import (
+from ds_capture.data.tokenization import (
     TokenizedRows,
     chat_template_sha256,
     pad_token_id,

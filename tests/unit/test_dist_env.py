@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from ds_capture.dist import (DistEnv, agree_on_error, all_reduce_max_int, discover_env, expand_tasks_per_node,
-                             first_slurm_host, shm_buffer_glob)
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.dist import (
+    DistEnv,
+    agree_on_error,
+    all_reduce_max_int,
+    discover_env,
+    expand_tasks_per_node,
+    first_slurm_host,
+    shm_buffer_glob,
+)
 
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
 

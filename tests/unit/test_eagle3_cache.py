@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ds_capture.cache.compare import compare_caches
-from ds_capture.cache.reader import format_inspect, inspect_cache, verify_cache
-from ds_capture.config import parse_config
-from ds_capture.draft_distribution import DraftDistribution, select_draft_vocab
+from ds_capture.cache.dspark.compare import compare_caches
+from ds_capture.cache.dspark.reader import format_inspect, inspect_cache, verify_cache
+from ds_capture.cache.eagle3.draft_distribution import DraftDistribution, select_draft_vocab
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import parse_config
 from ds_capture.runner import run_capture
 from tests.eagle3_support import FIXTURES, build_fixture_target, nemo_case_recipe, read_spec
 
@@ -66,7 +66,7 @@ def _reference(lm_head, last, loss_mask, num_tokens, selected, topk):
 
 @pytest.mark.parametrize("topk", [0, 5])
 def test_chunked_distribution_equals_full_logits_and_bounds_the_chunk(monkeypatch, topk):
-    import ds_capture.draft_distribution as dd
+    import ds_capture.cache.eagle3.draft_distribution as dd
 
     torch.manual_seed(0)
     V, H, B, S, T = 300, 16, 3, 12, 10
@@ -198,8 +198,9 @@ def _digests(out: Path) -> dict[str, bytes]:
 
 @pytest.mark.timeout(300)
 def test_resume_after_a_kill_is_byte_identical(qwen3, tmp_path):
-    from tests.distributed import _kill_helpers as kh
     import yaml
+
+    from tests.distributed import _kill_helpers as kh
 
     reference = tmp_path / "reference"
     run_capture(_config(qwen3, reference), show_progress=False)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_capture.config import KIND_ONLY_KEYS, parse_config
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import KIND_ONLY_KEYS, parse_config
 
 BASE = {"recipe_args": {"target_model_name_or_path": "t", "train_data_path": "d.jsonl", "cache_output_dir": "out",
                         "seq_length": 16}}
@@ -97,7 +97,7 @@ def test_aux_layer_ids_against_the_target(tiny_target, tmp_path, aux_layer_ids, 
 
 
 def test_nemo_precompute_eagle3_argv_maps_one_to_one():
-    from ds_capture.eagle3 import recipe_from_nemo_argv
+    from ds_capture.cache.eagle3.kind import recipe_from_nemo_argv
 
     argv = ["--target-model", "m", "--input-data", "d.jsonl", "--output-dir", "o", "--draft-vocab-size", "8192",
             "--target-probs-topk", "64", "--shard-size", "128", "--dtype", "fp32", "--device", "cpu", "--split",
@@ -116,7 +116,7 @@ def test_nemo_precompute_eagle3_argv_maps_one_to_one():
 
 
 def test_the_example_recipe_parses():
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_eagle3.yaml")
     assert (cfg.cache_kind, cfg.recipe_args.aux_layer_ids, cfg.recipe_args.draft_vocab_size) == ("eagle3", (1, 2, 3), 1024)

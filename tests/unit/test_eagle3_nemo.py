@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_capture.config import parse_config
+from ds_capture.recipe.config import parse_config
 from ds_capture.runner import run_capture
 from tests.eagle3_support import FIXTURES, assert_matches_nemo, build_fixture_target, nemo_case_recipe, read_spec
 

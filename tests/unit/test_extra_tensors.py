@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import family_target_builder  # noqa: E402
 
-from ds_capture.engine.loading import build_meta_model, load_owned_parameters  # noqa: E402
-from ds_capture.families import read_target_info  # noqa: E402
+from ds_capture.target.families import read_target_info  # noqa: E402
+from ds_capture.target.loading import build_meta_model, load_owned_parameters  # noqa: E402
 
 MTP_FILE = "model-mtp.safetensors"
 

@@ -24,11 +24,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
-from ds_capture.families import FAMILIES, get_family, read_target_info
-from ds_capture.plan import build_plan
+from ds_capture.parallel.layout import build_plan
+from ds_capture.recipe.config import load_config
 from ds_capture.runner import _check_family_layout, run_capture
+from ds_capture.target.families import FAMILIES, get_family, read_target_info
 
 SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
                    "glm4_moe", "qwen3_5_moe", "qwen3_next", "deepseek_v32", "minimax_m2", "kimi_linear", "gpt_oss",
@@ -186,8 +186,8 @@ def test_gemma4_sizes_come_from_text_config(family_target):
 def test_kimi_k25_loads_its_text_decoder_only(family_target):
     """Kimi-K2.5: sizes from text_config; release keys (`language_model.model.layers...`); the vision tower and
     projector are dropped and their weights never read; the sharded loader fills exactly what HF loads."""
-    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
-    from ds_capture.engine.single import build_single_model
+    from ds_capture.parallel.single import build_single_model
+    from ds_capture.target.loading import build_meta_model, load_owned_parameters
 
     target = family_target("kimi_k25")
     info = read_target_info(target)
@@ -315,7 +315,7 @@ def test_release_wrapper_loads_its_text_decoder_only(family_target, model_type):
     """Released as vision-language wrappers: the sliced loader fills exactly what from_pretrained loads for the
     text decoder, and reads none of the vision tower's bytes (Llama 4: its text model built from text_config,
     the `language_model.` keys stripped, the vision tower and projector keys skipped)."""
-    from ds_capture.engine.loading import build_meta_model, load_owned_parameters
+    from ds_capture.target.loading import build_meta_model, load_owned_parameters
 
     target = family_target(model_type)
     info = read_target_info(target)
@@ -347,7 +347,7 @@ def test_gpt_oss_computes_eager_attention_only(family_target):
         "'eager' only (its attention sinks are in transformers' eager attention; sdpa does not support them). Set "
         "it to 'eager' or leave it unset.")
     assert get_family("qwen3").resolve_attn_implementation("sdpa") == "sdpa"  # any, where the family allows any
-    from ds_capture.engine.loading import build_meta_model
+    from ds_capture.target.loading import build_meta_model
 
     model = build_meta_model(read_target_info(family_target("gpt_oss")), dtype=torch.float32, attn_implementation=None)
     assert model.config._attn_implementation == "eager"

@@ -16,8 +16,8 @@ import pytest
 import torch.distributed
 
 import ds_capture.runner as runner
-from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import load_config
 
 
 @pytest.fixture

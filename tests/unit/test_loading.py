@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_capture.engine.expert_parallel import apply_expert_parallel
-from ds_capture.engine.loading import build_meta_model, load_owned_parameters
-from ds_capture.engine.single import build_single_model, load_with_from_pretrained
 from ds_capture.errors import CaptureError
-from ds_capture.families import read_target_info
+from ds_capture.parallel.expert_parallel import apply_expert_parallel
+from ds_capture.parallel.single import build_single_model, load_with_from_pretrained
+from ds_capture.target.families import read_target_info
+from ds_capture.target.loading import build_meta_model, load_owned_parameters
 
 FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mixtral"]
 # Built through test_families' builder (release key layouts): their buffers include per-layer-type rotary

@@ -1,4 +1,4 @@
-"""Message normalisation = NeMo AutoModel 0.7.0's ChatDataset rules (ds_capture.messages), on rows read from disk.
+"""Message normalisation = NeMo AutoModel 0.7.0's ChatDataset rules (ds_capture.data.messages), on rows read from disk.
 
 The expected values follow NeMo's `chat_dataset._normalize_messages` for the same rows; test_released_templates
 compares whole rows (normalised, rendered, masked) against NeMo's own recorded outputs."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import logging
 
-from ds_capture.data import read_conversations
-from ds_capture.messages import Conversation, normalize_row
+from ds_capture.data.messages import Conversation, normalize_row
+from ds_capture.data.tokenization import read_conversations
 
 
 def _write_jsonl(path, rows) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ds_capture.errors import CaptureError
-from ds_capture.plan import ParallelPlan, build_plan, resolve_degrees, shard_ranges
+from ds_capture.parallel.layout import ParallelPlan, build_plan, resolve_degrees, shard_ranges
 
 DENSE = dict(num_experts=None, num_attention_heads=4, num_key_value_heads=2)
 MOE = dict(num_experts=8, num_attention_heads=4, num_key_value_heads=2)

@@ -27,14 +27,18 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_release as qr  # noqa: E402
 
-from ds_capture.config import load_config  # noqa: E402
-from ds_capture.engine.expert_parallel import apply_expert_parallel  # noqa: E402
-from ds_capture.engine.loading import (  # noqa: E402
-    OwnedSlice, build_meta_model, checkpoint_sources, fill_from_checkpoint, load_owned_parameters,
-)
 from ds_capture.errors import CaptureError  # noqa: E402
-from ds_capture.families import read_target_info  # noqa: E402
+from ds_capture.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
+from ds_capture.recipe.config import load_config  # noqa: E402
 from ds_capture.runner import run_capture  # noqa: E402
+from ds_capture.target.families import read_target_info  # noqa: E402
+from ds_capture.target.loading import (  # noqa: E402
+    OwnedSlice,
+    build_meta_model,
+    checkpoint_sources,
+    fill_from_checkpoint,
+    load_owned_parameters,
+)
 
 CASES = [("deepseek_v3", "fp8"), ("deepseek_v4", "fp8_fp4"), ("kimi_k25", "int4"), ("qwen3_moe", "fp8"),
          ("glm_moe_dsa", "fp8"), ("qwen3_moe", "fp8_channel")]
@@ -263,7 +267,7 @@ def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path,
     """DeepSeek's kv_a_proj_with_mqa shape [576, 7168] scaled down to [576, 320] (FP8: a [5, 3] grid, both last
     blocks partial), cut in 4 on each dim as TP / FSDP2 ranks do (144 rows: rank 3 starts in block 3): each
     piece, read through the loader's path, equals the reference's dequantisation cut to it."""
-    from ds_capture.engine import quant
+    from ds_capture.target import quant
 
     torch.manual_seed(0)
     w = torch.randn(576, 320)
@@ -286,7 +290,7 @@ def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path,
 
 
 def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what_cannot_be_read():
-    from ds_capture.engine.quant import QuantConfig, read_quant_config
+    from ds_capture.target.quant import QuantConfig, read_quant_config
 
     int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     assert read_quant_config({}, "c.json") == QuantConfig()

@@ -15,13 +15,13 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from ds_capture.cli import main
-from ds_capture.config import load_config
-from ds_capture.engine.expert_parallel import apply_expert_parallel
-from ds_capture.engine.loading import build_meta_model, load_owned_parameters
-from ds_capture.engine.single import load_with_from_pretrained
 from ds_capture.errors import CaptureError
-from ds_capture.families import read_target_info
+from ds_capture.parallel.expert_parallel import apply_expert_parallel
+from ds_capture.parallel.single import load_with_from_pretrained
+from ds_capture.recipe.config import load_config
 from ds_capture.runner import run_capture
+from ds_capture.target.families import read_target_info
+from ds_capture.target.loading import build_meta_model, load_owned_parameters
 
 
 def _on_disk(path: Path) -> dict[str, torch.Tensor]:

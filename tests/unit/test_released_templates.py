@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_capture.data import read_conversations, tokenize_conversations
+from ds_capture.data.tokenization import read_conversations, tokenize_conversations
 from ds_capture.errors import CaptureError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -134,12 +134,11 @@ def released_target(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(ISSUE_CASES))
 def test_cases_main_refused_give_nemos_ids_and_masks_in_the_cache(case, released_target, tmp_path):
+    import yaml
     from safetensors.torch import load_file
 
-    from ds_capture.config import load_config
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
-
-    import yaml
 
     line = ISSUE_CASES[case]
     data = tmp_path / "data.jsonl"

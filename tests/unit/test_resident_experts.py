@@ -19,13 +19,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_release as qr  # noqa: E402
 
-from ds_capture.config import load_config  # noqa: E402
-from ds_capture.engine.expert_parallel import moe_experts_modules  # noqa: E402
-from ds_capture.engine.loading import build_meta_model, load_owned_parameters  # noqa: E402
-from ds_capture.engine.resident_experts import QuantizedExpertStack, check_expert_storage, keep_experts_quantized  # noqa: E402
 from ds_capture.errors import CaptureError  # noqa: E402
-from ds_capture.families import read_target_info  # noqa: E402
+from ds_capture.parallel.expert_parallel import moe_experts_modules  # noqa: E402
+from ds_capture.parallel.resident_experts import QuantizedExpertStack, check_expert_storage, keep_experts_quantized  # noqa: E402
+from ds_capture.recipe.config import load_config  # noqa: E402
 from ds_capture.runner import run_capture  # noqa: E402
+from ds_capture.target.families import read_target_info  # noqa: E402
+from ds_capture.target.loading import build_meta_model, load_owned_parameters  # noqa: E402
 
 CASES = [("deepseek_v3", "fp8"), ("deepseek_v4", "fp8_fp4"), ("kimi_k25", "int4")]
 STORED = {"fp8": {torch.float8_e4m3fn, torch.float32}, "fp8_fp4": {torch.int8, torch.float8_e8m0fnu},

@@ -14,12 +14,12 @@ import yaml
 from safetensors.torch import load_file
 
 import ds_capture.runner as runner
-from ds_capture.cache.format import Manifest
-from ds_capture.cache.reader import verify_cache
-from ds_capture.cache.writer import write_manifest
+from ds_capture.cache.dspark.format import Manifest
+from ds_capture.cache.dspark.reader import verify_cache
+from ds_capture.cache.dspark.writer import write_manifest
 from ds_capture.cli import main
-from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import load_config
 from ds_capture.runner import run_capture
 
 FIXTURE_CACHES = ("cache_fp32", "cache_bf16_plain_masked")
@@ -47,7 +47,7 @@ _REAL_FINISH: dict = {}
 def patch_finish_shard(monkeypatch, replacement) -> None:
     """Replace ``DSparkShards.finish`` (where the capture loop publishes each shard): ``replacement(self, index,
     shard, real_finish)``."""
-    from ds_capture.cache.writer import DSparkShards
+    from ds_capture.cache.dspark.writer import DSparkShards
 
     # A second patch in one test wraps the real method, not the first patch.
     real_finish = _REAL_FINISH.setdefault("finish", DSparkShards.finish)

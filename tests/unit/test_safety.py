@@ -22,13 +22,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import ds_capture.capture.safety as safety
 import ds_capture.runner as runner
-import ds_capture.safety as safety
+from ds_capture.capture.safety import OutputLock, input_fingerprints
 from ds_capture.cli import main
-from ds_capture.config import load_config
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import load_config
 from ds_capture.runner import run_capture
-from ds_capture.safety import OutputLock, input_fingerprints
 
 NUM_SAMPLES, SHARD_SIZE = 16, 4
 NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE
@@ -400,7 +400,7 @@ def test_a_full_disk_mid_run_gives_a_clear_message(base, tmp_path, tmpfs, capsys
 
 def test_an_injected_erofs_on_rename_leaves_no_final_file(base, tmp_path, monkeypatch, capsys):
     """Where no tmpfs can be mounted: the rename of the first shard fails with EROFS."""
-    import ds_capture.cache.writer as writer
+    import ds_capture.cache.dspark.writer as writer
 
     real_replace = os.replace
 

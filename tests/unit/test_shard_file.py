@@ -15,12 +15,18 @@ from cache_helpers import make_manifest, make_shard_tensors
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ds_capture.cache.async_writer import AsyncShardWriter, MicroBatch
-from ds_capture.cache.format import shard_name
-from ds_capture.cache.reader import verify_cache
-from ds_capture.cache.shard_file import SafetensorsLayout, ShardFile, file_digest
-from ds_capture.cache.staging import HostStaging
-from ds_capture.cache.writer import DSparkShards, checksum_matches, read_recorded_checksum, sha256_file, write_manifest
+from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
+from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile, file_digest
+from ds_capture.cache.common.staging import HostStaging
+from ds_capture.cache.dspark.format import shard_name
+from ds_capture.cache.dspark.reader import verify_cache
+from ds_capture.cache.dspark.writer import (
+    DSparkShards,
+    checksum_matches,
+    read_recorded_checksum,
+    sha256_file,
+    write_manifest,
+)
 
 LAYOUTS = {
     "dspark_bf16": {"input_ids": ((3, 5), torch.int64), "loss_mask": ((3, 5), torch.int64),
@@ -251,7 +257,7 @@ def test_a_failed_shard_leaves_no_tmp_and_no_final_file(tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_queued_states_hold_no_device_memory(tmp_path):
     """Captured states leave the device at put: pinned slots, a side-stream copy, nothing queued on the GPU."""
-    from ds_capture.cache.staging import slot_bytes
+    from ds_capture.cache.common.staging import slot_bytes
 
     device = torch.device("cuda", torch.cuda.current_device())
     manifest = _wide_manifest()
@@ -283,8 +289,8 @@ def test_demo_capture_stores_fewer_bytes_than_its_logical_size_and_verifies(tmp_
     (safetensors' mmap) sees the zeros; the recorded checksums verify."""
     from pathlib import Path
 
-    from ds_capture.cache.reader import inspect_cache
-    from ds_capture.config import load_config
+    from ds_capture.cache.dspark.reader import inspect_cache
+    from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"

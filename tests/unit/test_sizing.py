@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_capture import memory_model as mm
 from ds_capture.cli import main
-from ds_capture.config import load_config, parse_config
-from ds_capture.engine.fsdp2_engine import dim0_chunk
 from ds_capture.errors import CaptureError
-from ds_capture.families import read_target_info
-from ds_capture.sizing import plan_capture
-from ds_capture.sizing_count import Sizer, fsdp2_local_numel
+from ds_capture.parallel.fsdp2_engine import dim0_chunk
+from ds_capture.recipe.config import load_config, parse_config
+from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.command import plan_capture
+from ds_capture.sizing.count import Sizer, fsdp2_local_numel
+from ds_capture.target.families import read_target_info
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASES = REPO / "tests" / "fixtures" / "release_configs"

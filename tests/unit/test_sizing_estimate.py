@@ -17,12 +17,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ds_capture.capture import capture_hidden_states
-from ds_capture.config import parse_config
+from ds_capture.capture.hooks import capture_hidden_states
 from ds_capture.demo import build_tiny_target
-from ds_capture.engine.single import build_single_model
-from ds_capture.families import read_target_info
-from ds_capture.sizing import plan_capture
+from ds_capture.parallel.single import build_single_model
+from ds_capture.recipe.config import parse_config
+from ds_capture.sizing.command import plan_capture
+from ds_capture.target.families import read_target_info
 
 SHAPES = {
     "qwen3": dict(hidden_size=512, intermediate_size=1536, head_dim=64, num_attention_heads=8, num_key_value_heads=2),

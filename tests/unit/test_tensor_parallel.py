@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ds_capture.engine.loading import OwnedSlice, build_meta_model
-from ds_capture.engine.tensor_parallel import (ColumnParallelLinear, GatheredLinear, LocalGroups,
-                                               apply_tensor_parallel)
-from ds_capture.errors import CaptureError
-from ds_capture.families import read_target_info
 from test_families import family_target  # noqa: F401 - the fixture
+
+from ds_capture.errors import CaptureError
+from ds_capture.parallel.tensor_parallel import ColumnParallelLinear, GatheredLinear, LocalGroups, apply_tensor_parallel
+from ds_capture.target.families import read_target_info
+from ds_capture.target.loading import OwnedSlice, build_meta_model
 
 
 def _meta(target_dir):

@@ -13,9 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ds_capture.cache.format import BOOKKEEPING_DIR
-from ds_capture.config import load_config
+from ds_capture.cache.dspark.format import BOOKKEEPING_DIR
 from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import load_config
 from ds_capture.runner import plan_micro_batches, run_capture
 
 NUM_SAMPLES = 13  # two full shards of 6 and a short last shard of 1
@@ -104,7 +104,7 @@ def test_trimmed_sorted_equals_fixed_padding_at_content_positions(recipe, caches
 def test_rows_are_in_dataset_order(recipe, caches):
     from transformers import AutoTokenizer
 
-    from ds_capture.data import read_conversations, resolve_chat_template, tokenize_conversations
+    from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
     from ds_capture.demo import demo_data_path
 
     cfg = load_config(recipe)
@@ -137,7 +137,7 @@ def test_metrics_and_progress_reach_num_samples(caches):
 
 
 def test_progress_counts_reach_num_samples(recipe, tmp_path, monkeypatch):
-    import ds_capture.progress as progress
+    import ds_capture.capture.progress as progress
 
     seen = []
     real_close = progress.Progress.close
@@ -156,7 +156,7 @@ def test_progress_counts_reach_num_samples(recipe, tmp_path, monkeypatch):
 def test_writer_error_stops_the_run_without_a_final_shard(recipe, tmp_path, monkeypatch, buffer_mib):
     import os
 
-    from ds_capture.cache.shard_file import ShardFile
+    from ds_capture.cache.common.shard_file import ShardFile
 
     real_write_rows = ShardFile.write_rows
     failing = 1

@@ -1,0 +1,2 @@
+"""What both cache kinds share: shard files written in place, host staging, the async writer.
+Imports no kind."""

@@ -1,0 +1,372 @@
+"""Cache reader: verify and inspect a DSpark v1 cache directory (DESIGN.md §3); EAGLE-3 v2 caches are
+handed to :mod:`ds_capture.cache.eagle3.reader` (same reports).
+
+In: a cache directory. Out: its ``Manifest`` (``read_manifest``); a ``VerifyReport`` listing every
+way the directory breaks the contract (``verify_cache``); a summary dict and its human text
+(``inspect_cache``, ``format_inspect``). Shards are read one at a time, so memory stays at one
+shard whatever the cache size.
+
+Padding rule. The pad id is not in the manifest, so it is inferred: among rows whose last two
+tokens are equal, the most common last token is the pad id (rows truncated to S end in content,
+so "the row's last token" alone would call their final token padding). A row's padding is then
+the trailing run of that id. Limits: a cache in which no row ends in two equal tokens is taken to
+have no padding; a row whose content really ends in the pad id has that token counted as padding.
+Because NeMo keeps the first pad as content when pad == eos (and the manifest does not say
+whether it is), ``loss_mask`` = 1 is allowed on the first position of the run and refused after.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ds_capture.cache.dspark.format import (
+    BOOKKEEPING_DIR,
+    CHECKSUMS_DIR,
+    IDENTITY_FIELDS,
+    MANIFEST_NAME,
+    SHARD_RE,
+    TARGET_WEIGHTS_NAME,
+    Manifest,
+    checksum_name,
+    shard_name,
+)
+from ds_capture.cache.dspark.writer import file_checksum, read_recorded_checksum
+from ds_capture.errors import CaptureError
+
+_MAX_LISTED = 10
+
+
+def read_manifest(cache_dir: Path) -> Manifest:
+    """Parse ``cache_dir/manifest.json``; CaptureError naming the path if missing or unreadable."""
+    path = Path(cache_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise CaptureError(
+            f"{path} does not exist: {cache_dir} is not a ds_capture/NeMo DSpark cache, or the run that "
+            "writes it has not started. Check the path (cache_output_dir of the run)."
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CaptureError(f"{path} cannot be read ({err}); check its permissions or re-create the cache.") from None
+    return Manifest.from_json(text, str(path))
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify_cache`` found; ``ok`` is true exactly when ``problems`` is empty."""
+
+    cache_dir: Path
+    ok: bool = False
+    problems: list[str] = field(default_factory=list)
+    num_samples: int = 0
+    num_shards: int = 0
+    num_shards_checked: int = 0
+    num_tokens: int = 0
+    """Non-padding positions, by the module's padding rule."""
+    num_supervised_tokens: int = 0
+    """loss_mask.sum() over all shards."""
+    pad_id: int | None = None
+    """The inferred pad id (None: no row looks padded)."""
+    checksums: bool = False
+    """Whether shards were re-hashed against their recorded sha256."""
+
+    def summary(self) -> str:
+        status = "OK" if self.ok else f"FAILED ({len(self.problems)} problem{'s' * (len(self.problems) != 1)})"
+        return (
+            f"{self.cache_dir}: {status}: {self.num_samples} samples in {self.num_shards_checked}/{self.num_shards} "
+            f"shards checked, {self.num_tokens} tokens, {self.num_supervised_tokens} supervised"
+            + (", checksums verified" if self.checksums else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["cache_dir"] = str(self.cache_dir)
+        return out
+
+
+def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
+    """Check every contract rule on ``cache_dir``; ``checksums`` also re-hashes each shard."""
+    cache_dir = Path(cache_dir)
+    from ds_capture.cache.eagle3 import reader as eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.verify_eagle3_cache(cache_dir, checksums=checksums)
+    report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
+    try:
+        manifest = read_manifest(cache_dir)
+    except CaptureError as err:
+        report.problems.append(str(err))
+        return report
+    problems = report.problems
+    report.num_samples, report.num_shards = manifest.num_samples, manifest.num_shards
+    if not manifest.complete:
+        problems.append(
+            f"{MANIFEST_NAME} has complete: false: the run writing this cache has not finished (or was killed); "
+            "re-run it with the same config to complete it"
+        )
+    consistency = manifest.consistency_problems()
+    problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
+    if consistency:
+        return _finish(report)
+
+    present = _shard_indices(cache_dir)
+    expected = set(range(manifest.num_shards))
+    if missing := sorted(expected - present):
+        last = shard_name(manifest.num_shards - 1)
+        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. {last})")
+    if extra := sorted(present - expected):
+        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {_list_names(extra)}")
+
+    to_check = sorted(expected & present)
+    report.pad_id = _infer_pad_id(cache_dir, to_check)
+    for index in to_check:
+        _verify_shard(cache_dir, index, manifest, report)
+        if checksums:
+            _verify_checksum(cache_dir, index, report)
+        report.num_shards_checked += 1
+    _verify_weights(cache_dir, manifest, problems)
+    return _finish(report)
+
+
+def _finish(report: VerifyReport) -> VerifyReport:
+    report.ok = not report.problems
+    return report
+
+
+def _shard_indices(cache_dir: Path) -> set[int]:
+    return {int(m.group(1)) for e in cache_dir.iterdir() if (m := SHARD_RE.match(e.name))}
+
+
+def _list_names(indices: list[int]) -> str:
+    names = ", ".join(shard_name(i) for i in indices[:_MAX_LISTED])
+    return names + (f" (and {len(indices) - _MAX_LISTED} more)" if len(indices) > _MAX_LISTED else "")
+
+
+def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
+    """The most common last token among rows ending in two equal tokens (see module docstring)."""
+    votes: Counter[int] = Counter()
+    for index in indices:
+        try:
+            with safe_open(cache_dir / shard_name(index), framework="pt") as f:
+                input_ids = f.get_tensor("input_ids")
+        except Exception:  # an unreadable shard is reported by _verify_shard; it just does not vote
+            continue
+        if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+            continue
+        padded = input_ids[:, -1] == input_ids[:, -2]
+        votes.update(input_ids[padded, -1].tolist())
+    return votes.most_common(1)[0][0] if votes else None
+
+
+def padding_lengths(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """[n] length of each row's trailing run of ``pad_id`` (0 where the row does not end in it)."""
+    if pad_id is None:
+        return torch.zeros(input_ids.shape[0], dtype=torch.int64)
+    # Count pads from the end until the first non-pad: cumprod of the reversed "is pad" mask.
+    is_pad_reversed = (input_ids.flip(-1) == pad_id).to(torch.int64)
+    return is_pad_reversed.cumprod(dim=-1).sum(dim=-1)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file."""
+    with safe_open(path, framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: list[str]) -> dict[str, torch.Tensor] | None:
+    """Shard ``index``'s tensors when the file reads and holds exactly ``manifest.expected_shard_tensors(index)``
+    (names, shapes, dtypes); otherwise each problem is appended and None returned. Both cache kinds verify this way."""
+    name = shard_name(index)
+    try:
+        tensors = load_tensors(Path(cache_dir) / name)
+    except Exception as err:  # safetensors raises several types for damaged files
+        problems.append(f"{name}: unreadable safetensors file ({err})")
+        return None
+    expected = manifest.expected_shard_tensors(index)
+    if set(tensors) != set(expected):
+        problems.append(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
+        return None
+    layout = [f"{name}: {_layout_mismatch(key, tensors[key], shape, dtype)}" for key, (shape, dtype) in expected.items()
+              if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype]
+    problems.extend(layout)
+    return None if layout else tensors
+
+
+def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: VerifyReport) -> None:
+    name, problems = shard_name(index), report.problems
+    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    if tensors is None:
+        return
+    input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
+    hidden, last = tensors["target_hidden_states"], tensors["target_last_hidden_states"]
+
+    for key in ("target_hidden_states", "target_last_hidden_states"):
+        bad = ~torch.isfinite(tensors[key])
+        if bad.any():
+            row, pos = bad.nonzero()[0][:2].tolist()
+            problems.append(
+                f"{name}: {key} holds {int(bad.sum())} non-finite values (NaN/inf), first at row {row} position {pos}"
+            )
+    if not ((loss_mask == 0) | (loss_mask == 1)).all():
+        values = sorted(set(loss_mask.unique().tolist()) - {0, 1})
+        problems.append(f"{name}: loss_mask holds values other than 0/1: {values[:_MAX_LISTED]}")
+
+    num_pad = padding_lengths(input_ids, report.pad_id)
+    S = manifest.seq_length
+    positions = torch.arange(S).expand_as(input_ids)
+    # The first pad stays allowed: NeMo keeps it as content (eos) when pad == eos.
+    strict_pad = positions > (S - num_pad).unsqueeze(-1)
+    on_pad = (loss_mask != 0) & strict_pad
+    if on_pad.any():
+        row, pos = on_pad.nonzero()[0].tolist()
+        problems.append(
+            f"{name}: loss_mask is 1 on {int(on_pad.sum())} padding positions (pad id {report.pad_id}), "
+            f"first at row {row} position {pos}"
+        )
+    report.num_tokens += int((S - num_pad).sum())
+    report.num_supervised_tokens += int(loss_mask.sum())
+
+    if manifest.target_layer_ids[-1] == manifest.num_hidden_layers - 1:
+        H = manifest.hidden_size
+        if not torch.equal(hidden[..., -H:], last):
+            problems.append(
+                f"{name}: the last feature slice of target_hidden_states (layer {manifest.target_layer_ids[-1]}, "
+                "the post-norm output) differs from target_last_hidden_states"
+            )
+
+
+def _verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
+    name = shard_name(index)
+    recorded = read_recorded_checksum(cache_dir, index)
+    if recorded is None:
+        record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
+        report.problems.append(f"{name}: no recorded checksum ({record}) to check against")
+        return
+    algorithm = recorded.partition(":")[0]
+    try:
+        actual = file_checksum(cache_dir / name, algorithm)
+    except ValueError as error:
+        report.problems.append(f"{name}: its {algorithm} checksum cannot be computed ({error})")
+        return
+    if actual != recorded:
+        report.problems.append(
+            f"{name}: {algorithm} {actual.partition(':')[2]} differs from the recorded {recorded.partition(':')[2]}: "
+            "the file changed after it was written"
+        )
+
+
+def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) -> None:
+    path = cache_dir / TARGET_WEIGHTS_NAME
+    if not path.is_file():
+        problems.append(f"{TARGET_WEIGHTS_NAME} is missing")
+        return
+    try:
+        tensors = load_tensors(path)
+    except Exception as err:
+        problems.append(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})")
+        return
+    expected = manifest.expected_weight_tensors()
+    if set(tensors) != set(expected):
+        problems.append(f"{TARGET_WEIGHTS_NAME}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
+        return
+    for key, (shape, dtype) in expected.items():
+        t = tensors[key]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            problems.append(f"{TARGET_WEIGHTS_NAME}: {_layout_mismatch(key, t, shape, dtype)}")
+        elif not torch.isfinite(t).all():
+            problems.append(f"{TARGET_WEIGHTS_NAME}: {key} holds non-finite values (NaN/inf)")
+
+
+def _layout_mismatch(key: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    def dtype_name(d: torch.dtype) -> str:
+        return str(d).removeprefix("torch.")
+
+    return f"{key} is {list(t.shape)} {dtype_name(t.dtype)}, expected {list(shape)} {dtype_name(dtype)}"
+
+
+def inspect_cache(cache_dir: Path) -> dict[str, Any]:
+    """Counts, sizes (logical, on disk, padding fraction) and identity of a cache, reading only input_ids and
+    loss_mask of each shard."""
+    cache_dir = Path(cache_dir)
+    from ds_capture.cache.eagle3 import reader as eagle3_reader
+
+    if eagle3_reader.is_eagle3_cache(cache_dir):
+        return eagle3_reader.inspect_eagle3_cache(cache_dir)
+    manifest = read_manifest(cache_dir)
+    present = sorted(_shard_indices(cache_dir))
+    pad_id = _infer_pad_id(cache_dir, present)
+    num_tokens = num_supervised = 0
+    for index in present:
+        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
+            input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        num_tokens += int((input_ids.shape[1] - padding_lengths(input_ids, pad_id)).sum())
+        num_supervised += int(loss_mask.sum())
+    files = [p for p in cache_dir.rglob("*") if p.is_file()]
+    return {
+        "cache_dir": str(cache_dir),
+        "complete": manifest.complete,
+        "format_version": manifest.format_version,
+        "samples": manifest.num_samples,
+        "shards": len(present),
+        "expected_shards": manifest.num_shards,
+        "shard_size": manifest.shard_size,
+        "seq_length": manifest.seq_length,
+        "tokens": num_tokens,
+        "supervised_tokens": num_supervised,
+        "pad_id": pad_id,
+        "layers": list(manifest.target_layer_ids),
+        "dtype": manifest.dtype,
+        "logical_bytes": sum(p.stat().st_size for p in files),
+        # Blocks actually allocated: shards' padding tails are holes (read as zeros, not stored).
+        "bytes_on_disk": sum(p.stat().st_blocks * 512 for p in files),
+        "padding_fraction": _padding_fraction(num_tokens, present, manifest),
+        "identity": {
+            name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in IDENTITY_FIELDS
+        },
+        "bookkeeping": dict(manifest.bookkeeping),
+    }
+
+
+def _padding_fraction(num_tokens: int, present: list[int], manifest: Manifest) -> float:
+    positions = sum(manifest.shard_rows(i) for i in present if i < manifest.num_shards) * manifest.seq_length
+    return round(1 - num_tokens / positions, 6) if positions else 0.0
+
+
+def format_inspect(info: dict[str, Any]) -> str:
+    """Human text for ``inspect_cache``'s dict."""
+    if info.get("kind") == "eagle3":
+        from ds_capture.cache.eagle3.reader import format_eagle3_inspect
+
+        return format_eagle3_inspect(info)
+    samples, tokens = info["samples"], info["tokens"]
+    state = "complete" if info["complete"] else "INCOMPLETE"
+    lines = [
+        f"cache        {info['cache_dir']} ({state}, format v{info['format_version']})",
+        f"samples      {samples} in {info['shards']}/{info['expected_shards']} shards of {info['shard_size']}",
+        f"seq_length   {info['seq_length']}",
+        f"tokens       {tokens} non-padding ({tokens / max(samples, 1):.1f} per sample), pad id {info['pad_id']}",
+        f"supervised   {info['supervised_tokens']} ({info['supervised_tokens'] / max(tokens, 1):.1%} of tokens)",
+        f"layers       {info['layers']} ({info['dtype']})",
+        f"on disk      {_human_bytes(info['bytes_on_disk'])} of {_human_bytes(info['logical_bytes'])} logical "
+        f"({info['padding_fraction']:.1%} of row positions are padding)",
+        "identity:",
+    ]
+    width = max(len(k) for k in info["identity"])
+    lines += [f"  {k.ljust(width)}  {json.dumps(v)}" for k, v in info["identity"].items()]
+    return "\n".join(lines)
+
+
+def _human_bytes(num_bytes: int) -> str:
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,272 @@
+"""Verify, inspect and compare EAGLE-3 v2 caches (ours or NeMo's own), one shard at a time.
+
+In: cache directories whose manifest has ``format_version`` 2 (``reader`` and ``compare`` dispatch here).
+Out: the DSpark reader's ``VerifyReport`` / inspect dict / ``CompareReport`` for the EAGLE-3 layout.
+
+Completion: a directory our producer wrote (it has ``.ds_capture/``) is complete only with a
+``complete.json`` naming its manifest; a NeMo-written one (no ``.ds_capture/``) is complete, as NeMo's
+reader sees it, when every shard is present. Value rules checked per shard: 0/1 masks, ``attention_mask``
+a prefix, ``position_mask`` implies ``loss_mask``, the zero-filled slot S-1, finite states, and
+``target_probs`` rows that are distributions (top-k: sorted values, distinct draft-vocab indices).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ds_capture.cache.dspark.compare import CompareReport, KeyDiff, ShardDiff, _diff, default_tolerance
+from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
+from ds_capture.cache.dspark.reader import load_checked_shard, load_tensors
+from ds_capture.cache.eagle3.format import (
+    COMPLETE_NAME,
+    EMBEDDINGS_NAME,
+    FIELD_NAMES,
+    RUN_RECORD_NAME,
+    Eagle3Manifest,
+)
+from ds_capture.cache.eagle3.writer import is_complete, read_bookkeeping
+from ds_capture.errors import CaptureError
+
+_SUM_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+"""How far a stored row of target_probs(_values) may sum from 1 (rounding of Vd values to the cache dtype)."""
+_SHAPE_FIELDS = ("num_samples", "shard_size", "seq_length", "dtype", "draft_vocab_size", "target_probs_topk",
+                 "aux_hidden_dim", "target_vocab_size")
+
+
+def is_eagle3_cache(cache_dir: Path) -> bool:
+    """Whether ``cache_dir``'s manifest says format 2 (anything unreadable is left to the DSpark reader's errors)."""
+    try:
+        return json.loads((Path(cache_dir) / MANIFEST_NAME).read_text(encoding="utf-8")).get("format_version") == 2
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def read_eagle3(cache_dir: Path) -> Eagle3Manifest:
+    path = Path(cache_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise CaptureError(f"{path} does not exist: {cache_dir} is not an EAGLE-3 cache.")
+    return Eagle3Manifest.from_json(path.read_text(encoding="utf-8"), str(path))
+
+
+def completion(cache_dir: Path, manifest: Eagle3Manifest) -> tuple[bool, str]:
+    """(complete, how that was decided)."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / BOOKKEEPING_DIR).is_dir():
+        return is_complete(cache_dir, manifest), f"{BOOKKEEPING_DIR}/{COMPLETE_NAME}"
+    present = _shard_indices(cache_dir)
+    return present >= set(range(manifest.num_shards)), "every shard present (NeMo's rule: no ds_capture records)"
+
+
+def _shard_indices(cache_dir: Path) -> set[int]:
+    return {int(m.group(1)) for e in Path(cache_dir).iterdir() if (m := SHARD_RE.match(e.name))}
+
+
+def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
+    from ds_capture.cache.dspark.reader import VerifyReport, _list_names, _verify_checksum
+
+    cache_dir = Path(cache_dir)
+    report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
+    problems = report.problems
+    try:
+        manifest = read_eagle3(cache_dir)
+    except CaptureError as err:
+        problems.append(str(err))
+        return _finish(report)
+    report.num_samples, report.num_shards = manifest.num_samples, manifest.num_shards
+    if consistency := manifest.consistency_problems():
+        problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
+        return _finish(report)
+    complete, rule = completion(cache_dir, manifest)
+    if not complete and (cache_dir / BOOKKEEPING_DIR).is_dir():
+        problems.append(f"{BOOKKEEPING_DIR}/{COMPLETE_NAME} is missing or names another manifest: the ds_capture run "
+                        "writing this cache has not finished (or was killed); re-run it with the same config")
+    present, expected = _shard_indices(cache_dir), set(range(manifest.num_shards))
+    if missing := sorted(expected - present):
+        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. "
+                        f"{shard_name(manifest.num_shards - 1)})")
+    if extra := sorted(present - expected):
+        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {_list_names(extra)}")
+    for index in sorted(expected & present):
+        _verify_shard(cache_dir, index, manifest, report)
+        if checksums:
+            _verify_checksum(cache_dir, index, report)
+        report.num_shards_checked += 1
+    _verify_embeddings(cache_dir, manifest, problems)
+    return _finish(report)
+
+
+def _finish(report):
+    report.ok = not report.problems
+    return report
+
+
+def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report) -> None:
+    name, problems = shard_name(index), report.problems
+    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    if tensors is None:
+        return
+
+    def fail(what: str, bad: torch.Tensor) -> None:
+        if bad.any():
+            row, pos = bad.nonzero()[0][:2].tolist()
+            problems.append(f"{name}: {what} at {int(bad.sum())} positions, first at row {row} position {pos}")
+
+    attention, loss, position = tensors["attention_mask"], tensors["loss_mask"], tensors["position_mask"][..., 0]
+    for key in ("attention_mask", "loss_mask"):
+        fail(f"{key} is not 0/1", (tensors[key] != 0) & (tensors[key] != 1))
+    fail("attention_mask is not a prefix of ones (1 after a 0)", attention[:, 1:] > attention[:, :-1])
+    fail("position_mask is set where loss_mask is 0", position & (loss == 0))
+    fail("loss_mask is 1 where the next position has attention_mask 0",
+         (loss[:, :-1] == 1) & (attention[:, 1:] == 0))
+    fail("the last slot (S-1) is not zero-filled (input_ids, loss_mask, position_mask)",
+         ((tensors["input_ids"][:, -1] != 0) | (loss[:, -1] != 0) | position[:, -1])[:, None])
+    fail("aux_hidden_states holds NaN/inf", ~torch.isfinite(tensors["aux_hidden_states"]).all(dim=-1))
+    tolerance = _SUM_TOLERANCE[manifest.dtype]
+    probs = tensors["target_probs_values" if manifest.compressed else "target_probs"].float()
+    fail("target_probs holds values outside [0, 1] or NaN",
+         ~((probs >= 0) & (probs <= 1)).all(dim=-1))
+    fail(f"target_probs rows do not sum to 1 (tolerance {tolerance:g})", (probs.sum(dim=-1) - 1).abs() > tolerance)
+    if manifest.compressed:
+        indices = tensors["target_probs_indices"]
+        fail("target_probs_values are not sorted descending", (probs[..., 1:] > probs[..., :-1]).any(dim=-1))
+        fail(f"target_probs_indices outside 0..{manifest.draft_vocab_size - 1}",
+             ((indices < 0) | (indices >= manifest.draft_vocab_size)).any(dim=-1))
+        ordered = indices.sort(dim=-1).values
+        fail("target_probs_indices repeat a column", (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1))
+    report.num_tokens += int(attention.sum())
+    report.num_supervised_tokens += int(loss.sum())
+
+
+def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, problems: list[str]) -> None:
+    path = cache_dir / EMBEDDINGS_NAME
+    if not path.is_file():
+        problems.append(f"{EMBEDDINGS_NAME} is missing (NeMo's trainer seeds the draft's embed_tokens from it)")
+        return
+    try:
+        tensors = load_tensors(path)
+    except Exception as err:
+        problems.append(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})")
+        return
+    weight = tensors.get("weight")
+    shape = (manifest.target_vocab_size, manifest.hidden_size)
+    if set(tensors) != {"weight"} or tuple(weight.shape) != shape or weight.dtype != torch.float32:
+        found = {k: (list(t.shape), str(t.dtype)) for k, t in tensors.items()}
+        problems.append(f"{EMBEDDINGS_NAME}: holds {found}, expected exactly weight {list(shape)} float32")
+    elif not torch.isfinite(weight).all():
+        problems.append(f"{EMBEDDINGS_NAME}: weight holds non-finite values (NaN/inf)")
+
+
+def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
+    cache_dir = Path(cache_dir)
+    manifest = read_eagle3(cache_dir)
+    present = sorted(_shard_indices(cache_dir))
+    tokens = supervised = positions = 0
+    for index in present:
+        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
+            tokens += int(f.get_tensor("attention_mask").sum())
+            supervised += int(f.get_tensor("loss_mask").sum())
+            positions += int(f.get_tensor("position_mask").sum())
+    complete, rule = completion(cache_dir, manifest)
+    identity = {name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in FIELD_NAMES}
+    return {
+        "kind": "eagle3", "cache_dir": str(cache_dir), "complete": complete, "completion_rule": rule,
+        "format_version": 2, "samples": manifest.num_samples, "shards": len(present),
+        "expected_shards": manifest.num_shards, "shard_size": manifest.shard_size, "seq_length": manifest.seq_length,
+        "tokens": tokens, "supervised_tokens": supervised, "supervised_positions": positions,
+        "layers": list(manifest.aux_layer_ids), "dtype": manifest.dtype,
+        "draft_vocab_size": manifest.draft_vocab_size,
+        "target_probs": f"top-{manifest.target_probs_topk}" if manifest.compressed else "full",
+        "bytes_on_disk": sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file()),
+        "identity": identity, "bookkeeping": read_bookkeeping(cache_dir, RUN_RECORD_NAME) or {},
+    }
+
+
+def format_eagle3_inspect(info: dict[str, Any]) -> str:
+    from ds_capture.cache.dspark.reader import _human_bytes
+
+    samples, tokens = info["samples"], info["tokens"]
+    lines = [
+        f"cache        {info['cache_dir']} (EAGLE-3, {'complete' if info['complete'] else 'INCOMPLETE'} by "
+        f"{info['completion_rule']}, format v2)",
+        f"samples      {samples} in {info['shards']}/{info['expected_shards']} shards of {info['shard_size']}",
+        f"seq_length   {info['seq_length']}",
+        f"tokens       {tokens} with attention ({tokens / max(samples, 1):.1f} per sample)",
+        f"supervised   {info['supervised_tokens']} loss_mask, {info['supervised_positions']} position_mask",
+        f"aux layers   {info['layers']} ({info['dtype']})",
+        f"target_probs {info['target_probs']} over a draft vocabulary of {info['draft_vocab_size']}",
+        f"on disk      {_human_bytes(info['bytes_on_disk'])}",
+        "identity:",
+    ]
+    width = max(len(k) for k in info["identity"])
+    for key, value in info["identity"].items():
+        text = json.dumps(value)
+        lines.append(f"  {key.ljust(width)}  {text if len(text) <= 100 else text[:96] + ' ...'}")
+    return "\n".join(lines)
+
+
+def compare_eagle3_caches(a: Path, b: Path, *, atol: float | None, rtol: float | None) -> CompareReport:
+    """As ``compare.compare_caches``, for two EAGLE-3 caches (bool position_mask compared as 0/1)."""
+    a, b = Path(a), Path(b)
+    manifest_a, manifest_b = _read_complete(a), _read_complete(b)
+    default_atol, default_rtol = default_tolerance(manifest_b.dtype)
+
+    def plain(value: Any) -> Any:
+        return list(value) if isinstance(value, tuple) else value
+
+    report = CompareReport(
+        a=str(a), b=str(b),
+        identity={name: (plain(getattr(manifest_a, name)), plain(getattr(manifest_b, name))) for name in FIELD_NAMES},
+        bookkeeping={"producer": ((read_bookkeeping(a, RUN_RECORD_NAME) or {}).get("producer"),
+                                  (read_bookkeeping(b, RUN_RECORD_NAME) or {}).get("producer"))},
+        identity_diff=manifest_a.identity_diff(manifest_b),
+        atol=default_atol if atol is None else atol, rtol=default_rtol if rtol is None else rtol)
+    if any(name in report.identity_diff for name in _SHAPE_FIELDS):
+        return report
+    report.compared_tensors = True
+    for name in [EMBEDDINGS_NAME] + [shard_name(i) for i in range(manifest_b.num_shards)]:
+        shard = _compare_files(a / name, b / name, report.atol, report.rtol)
+        report.shards.append(shard)
+        for key, diff in shard.keys.items():
+            report.keys.setdefault(key, KeyDiff()).add(diff)
+    return report
+
+
+def _read_complete(cache_dir: Path) -> Eagle3Manifest:
+    if not cache_dir.is_dir():
+        raise CaptureError(f"{cache_dir} is not a directory; compare needs two cache directories.")
+    manifest = read_eagle3(cache_dir)
+    complete, rule = completion(cache_dir, manifest)
+    if not complete:
+        raise CaptureError(f"{cache_dir} is not a complete EAGLE-3 cache ({rule}): the run that writes it has not "
+                           "finished (or died). Re-run it to completion before comparing.")
+    return manifest
+
+
+def _compare_files(path_a: Path, path_b: Path, atol: float, rtol: float) -> ShardDiff:
+    loaded = []
+    for path in (path_a, path_b):
+        if not path.is_file():
+            raise CaptureError(f"{path} is missing: the cache is incomplete (run `ds-capture verify` on it).")
+        try:
+            loaded.append(load_tensors(path))
+        except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a damaged file
+            raise CaptureError(f"{path} cannot be read as safetensors ({error}).") from None
+    tensors_a, tensors_b = loaded
+    if set(tensors_a) != set(tensors_b):
+        raise CaptureError(f"{path_a.name}: tensors {sorted(tensors_a)} in A but {sorted(tensors_b)} in B; run "
+                           "`ds-capture verify` on both caches.")
+    diffs = {}
+    for key in sorted(tensors_b):
+        x, y = tensors_a[key], tensors_b[key]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise CaptureError(f"{path_a.name}: {key} is {tuple(x.shape)} {x.dtype} in A but {tuple(y.shape)} "
+                               f"{y.dtype} in B; run `ds-capture verify` on both caches.")
+        if x.dtype == torch.bool:
+            x, y = x.to(torch.int64), y.to(torch.int64)
+        diffs[key] = _diff(x, y, atol, rtol)
+    return ShardDiff(name=path_a.name, keys=diffs)

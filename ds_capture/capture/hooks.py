@@ -1,0 +1,116 @@
+"""Capture: scoped forward hooks that turn one forward pass into the cache's hidden-state tensors.
+
+In: a plain Hugging Face causal LM (possibly sharded by an engine: its module paths are unchanged),
+its :class:`~ds_capture.target.families.Family`, and the layer ids. Out, per forward: the concatenated
+intermediate features ``[B, S, H*k]`` and the post-final-norm state ``[B, S, H]``.
+
+Layer-id semantics (DESIGN §3), for L decoder layers: id ``i`` in ``0..L-2`` is the output of
+decoder layer ``i`` (Hugging Face ``hidden_states[i+1]``); id ``L-1`` is the post-final-norm output
+(so its slice equals the last hidden state); id ``-1`` is the embedding output. With
+``pre_norm_last`` (EAGLE-3's semantics) id ``L-1`` is the last decoder layer's own output instead, and
+the post-norm state is still recorded as the last hidden state.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ds_capture.errors import CaptureError
+from ds_capture.target.families import Family
+
+
+def default_layer_ids(num_layers: int, draft_num_hidden_layers: int = 5) -> list[int]:
+    """DESIGN §3 default: ``n = min(draft_layers, L-1)`` ids spread over ``1..L-1`` (round half to even)."""
+    n = min(draft_num_hidden_layers, num_layers - 1)
+    if n <= 1:
+        return [num_layers - 1]
+    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)})
+
+
+def resolve_layer_ids(
+    configured: tuple[int, ...] | None, num_layers: int, draft_num_hidden_layers: int, *, source: str
+) -> list[int]:
+    """The configured ids checked against the target's layer count, or the default rule."""
+    if configured is None:
+        return default_layer_ids(num_layers, draft_num_hidden_layers)
+    bad = [i for i in configured if not -1 <= i <= num_layers - 1]
+    if bad:
+        raise CaptureError(
+            f"{source}: `recipe_args.target_layer_ids` {list(configured)} has ids outside -1..{num_layers - 1} "
+            f"({', '.join(map(str, bad))}); the target has {num_layers} decoder layers (-1 = embeddings, "
+            f"{num_layers - 1} = post-final-norm output)."
+        )
+    return list(configured)
+
+
+def _first_tensor(output) -> torch.Tensor:
+    # Decoder layers return a tensor (transformers 5) or a tuple whose first item is the hidden state.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class LayerCapture:
+    """Holds what the hooks saw during the current forward; ``collect`` assembles the features."""
+
+    def __init__(self, layer_ids: list[int], num_layers: int, family: Family, *, pre_norm_last: bool = False) -> None:
+        self.layer_ids = layer_ids
+        self.num_layers = num_layers
+        self.post_norm_id = None if pre_norm_last else num_layers - 1
+        self.family = family
+        self._seen: dict[int, torch.Tensor] = {}
+        self._last: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self._seen.clear()
+        self._last = None
+
+    def _record(self, layer_id: int, hidden: torch.Tensor) -> None:
+        self._seen[layer_id] = hidden.detach()
+
+    def _record_last(self, hidden: torch.Tensor) -> None:
+        self._last = hidden.detach()
+
+    def collect(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(target_hidden_states [B, S, H*k], target_last_hidden_states [B, S, H])`` in ``dtype``."""
+        missing = [i for i in self.layer_ids if i not in self._seen and i != self.post_norm_id]
+        if missing or self._last is None:
+            never = missing + ([] if self._last is not None else [self.num_layers - 1])
+            raise RuntimeError(
+                f"layer ids {never} never fired during the forward pass: the family entry for "
+                f"{self.family.model_type!r} does not match the model's module layout"
+            )
+        last = self._last
+        features = [last if i == self.post_norm_id else self._seen[i] for i in self.layer_ids]
+        hidden = torch.cat([f.to(dtype) for f in features], dim=-1)
+        return hidden, last.to(dtype)
+
+
+@contextmanager
+def capture_hidden_states(
+    model: torch.nn.Module, family: Family, layer_ids: list[int], num_layers: int, *, pre_norm_last: bool = False
+) -> Iterator[LayerCapture]:
+    """Register the hooks for ``layer_ids`` (+ the final norm); remove them on exit, errors included."""
+    capture = LayerCapture(layer_ids, num_layers, family, pre_norm_last=pre_norm_last)
+    layers = model.get_submodule(family.layers)
+    handles = []
+    try:
+        for layer_id in layer_ids:
+            if layer_id == -1:
+                module = model.get_submodule(family.embed_tokens)
+            elif layer_id != capture.post_norm_id:
+                module = layers[layer_id]
+            else:
+                continue  # L-1 is the final norm output, recorded below for every run
+            handles.append(module.register_forward_hook(
+                lambda _m, _args, output, layer_id=layer_id: capture._record(
+                    layer_id, family.reduce_layer_output(_first_tensor(output)))
+            ))
+        handles.append(model.get_submodule(family.final_norm).register_forward_hook(
+            lambda _m, _args, output: capture._record_last(_first_tensor(output))
+        ))
+        yield capture
+    finally:
+        for handle in handles:
+            handle.remove()

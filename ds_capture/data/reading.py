@@ -1,0 +1,276 @@
+"""Dataset files -> validated chat rows, streamed: every row checked, only the wanted range kept.
+
+In:  a dataset path (JSONL / JSON list / parquet / a ``datasets`` directory), a split expression and a
+     shuffle seed.
+Out: ``open_dataset`` -> :class:`ChatRows`: the number of selected rows and ``conversations(start, stop)``,
+     which returns the normalised :class:`~ds_capture.data.messages.Conversation` of rows ``start..stop`` in cache
+     order. ``read_conversations`` is ``open_dataset(...).conversations()``.
+
+``open_dataset`` validates every selected row once, one row in memory at a time (a JSONL keeps only the byte
+offset of each line; a ``datasets`` table stays memory-mapped), so every rank raises the same first error
+and no rank holds the whole dataset; ``conversations`` then parses only its range again. Orders follow NeMo
+AutoModel 0.7.0: local JSON/JSONL keep file order (a split such as ``train[:100]`` or ``train[:10%]`` still
+slices it); Hugging Face datasets (parquet, save_to_disk directories) are shuffled with ``shuffle_seed`` and
+then sliced for ``base[a:b]``, or selected and then shuffled for any other expression.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ds_capture.data.messages import Conversation, DroppedParts, normalize_row
+from ds_capture.errors import CaptureError
+
+_LOG = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# NeMo shuffles the base split and then slices only for this exact form; any other expression
+# (percentages, negative bounds, "a+b") goes to `datasets` first and is shuffled afterwards.
+_NEMO_SLICE_RE = re.compile(r"^(\w+)\[(\d*):(\d*)\]$")
+_FORMATS_HINT = (
+    "Use a .jsonl/.ndjson file (one row per line), a .json file (a list of rows), a .parquet file, "
+    "or a directory written by datasets' save_to_disk / holding parquet files."
+)
+_HF_BATCH = 2048  # rows per Arrow -> Python conversion while streaming a `datasets` table
+
+
+@dataclass
+class ChatRows:
+    """The selected rows of one dataset, validated; ``conversations`` re-reads a range of them."""
+
+    path: str
+    num_rows: int
+    _read: Callable[[int, int], Iterator[tuple[str, Any]]] = field(repr=False)
+    validated: bool = False
+    """Every selected row was already normalised once while the file was scanned."""
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def conversations(self, start: int = 0, stop: int | None = None) -> list[Conversation]:
+        """Rows ``start..stop`` (cache order), normalised again (they were validated by ``open_dataset``)."""
+        stop = self.num_rows if stop is None else min(stop, self.num_rows)
+        dropped = DroppedParts()  # counted and warned about once, by open_dataset
+        return [normalize_row(row, where, dropped) for where, row in self._read(start, stop)]
+
+
+def read_conversations(path: str, *, split: str | None, shuffle_seed: int) -> list[Conversation]:
+    """Read and validate every selected row of a chat dataset, in the order the cache will hold them."""
+    return open_dataset(path, split=split, shuffle_seed=shuffle_seed).conversations()
+
+
+def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows:
+    """Validate every selected row (streaming; the first bad row raises) and return a re-readable handle."""
+    source = Path(path)
+    if not source.exists():
+        raise CaptureError(
+            f"{path}: dataset not found. Point train_data_path at an existing file or directory. {_FORMATS_HINT}"
+        )
+    suffix = source.suffix.lower()
+    dropped = DroppedParts()
+    if source.is_file() and suffix in JSONL_SUFFIXES:
+        rows = _jsonl_rows(source, path, split, dropped)
+    elif source.is_file() and suffix == ".json":
+        rows = _json_rows(source, path, split)
+    elif source.is_dir() or suffix == ".parquet":
+        rows = _hf_rows(source, path, split, shuffle_seed)
+    else:
+        raise CaptureError(f"{path}: unsupported dataset file type '{source.suffix}'. {_FORMATS_HINT}")
+    if not rows.num_rows:
+        chosen = f" after applying split {split!r}" if split else ""
+        raise CaptureError(f"{path}: the dataset has no rows{chosen}. Add rows to the dataset or widen the split.")
+    if not rows.validated:
+        for where, row in rows._read(0, rows.num_rows):
+            normalize_row(row, where, dropped)
+    dropped.warn()
+    return rows
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts) -> ChatRows:
+    """One pass records where each row's line starts (8 bytes a row) and, without a split (every row is
+    selected), validates each row as it goes; rows are parsed again when read."""
+    offsets, pieces, numbers = array("q"), array("l"), array("q")
+    number = 0
+    with source.open("rb") as handle:
+        offset = 0
+        for raw in handle:
+            text = _decode(raw, source, offset, number + 1)
+            # NeMo splits the decoded file with str.splitlines (U+2028 and friends end a line too).
+            lines = text.splitlines()
+            for piece, line in enumerate(lines):
+                number += 1
+                if line.strip():
+                    if split is None:
+                        row = _parse_line(line, source, number, broken=len(lines) > 1)
+                        normalize_row(row, f"{path} line {number}", dropped)
+                    offsets.append(offset)
+                    pieces.append(piece)
+                    numbers.append(number)
+            offset += len(raw)
+    order = _select_local(len(offsets), path, split)
+
+    def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
+        with source.open("rb") as handle:
+            for k in order[start:stop]:
+                handle.seek(offsets[k])
+                line = handle.readline().decode("utf-8").splitlines()[pieces[k]]
+                yield f"{path} line {numbers[k]}", _parse_line(line, source, numbers[k])
+
+    return ChatRows(path=path, num_rows=len(order), _read=read, validated=split is None)
+
+
+def _decode(raw: bytes, source: Path, offset: int, number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CaptureError(
+            f"{source} line {number}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {offset + exc.start} "
+            "of the file). Datasets must be UTF-8 text; re-encode the file (e.g. iconv -f <encoding> -t utf-8) or "
+            "delete the line."
+        ) from None
+
+
+def _parse_line(line: str, source: Path, number: int, *, broken: bool = False) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        hint = (" The line holds a raw Unicode line break (U+2028, U+2029, U+0085, form feed, ...), where NeMo "
+                "AutoModel splits JSONL lines as Python's str.splitlines does; write those characters escaped "
+                "(json.dumps with ensure_ascii=True writes \\u2028)." if broken else "")
+        at = "" if exc.msg.endswith(" at") else " at"  # "Unterminated string starting at" names its own place
+        raise CaptureError(
+            f"{source} line {number}: not valid JSON ({exc.msg}{at} column {exc.colno}). "
+            f"Each line of a JSONL file must be one JSON object; fix or delete this line.{hint}"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- JSON list
+
+
+def _json_rows(source: Path, path: str, split: str | None) -> ChatRows:
+    """A .json file is one document: parsed whole (as NeMo does), then sliced."""
+    raw = source.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise CaptureError(
+            f"{source}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start}, line {line}). "
+            "Datasets must be UTF-8 text; re-encode the file (e.g. iconv -f <encoding> -t utf-8)."
+        ) from None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CaptureError(
+            f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}). "
+            "A .json dataset must be one JSON list of rows; fix the file or convert it to JSONL."
+        ) from None
+    if not isinstance(rows, list):
+        raise CaptureError(
+            f"{source}: a .json dataset must be a JSON list of rows, got a JSON {type(rows).__name__}. "
+            "Wrap the rows in a list, or write one row per line as .jsonl."
+        )
+    order = _select_local(len(rows), path, split)
+
+    def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
+        for k in order[start:stop]:
+            yield f"{path} row {k + 1}", rows[k]
+
+    return ChatRows(path=path, num_rows=len(order), _read=read)
+
+
+def _absolute_ranges(split: str, split_sizes: dict[str, int], path: str) -> list[tuple[str, int, int]]:
+    """Resolve a `datasets` split expression to (split name, start, stop) ranges."""
+    import datasets
+
+    try:
+        instructions = datasets.ReadInstruction.from_spec(split).to_absolute(split_sizes)
+    except (ValueError, AssertionError, KeyError) as exc:
+        raise CaptureError(
+            f"{path}: cannot apply split {split!r} ({exc}). Available splits: {sorted(split_sizes)}; "
+            "use a split expression such as 'train', 'train[:100]', 'train[10:20]' or 'train[:10%]'."
+        ) from None
+    return [(i.splitname, i.from_, i.to) for i in instructions]
+
+
+def _select_local(num_rows: int, path: str, split: str | None) -> range | list[int]:
+    """Indices of a local file's rows picked by a split expression, in file order (no shuffle)."""
+    if split is None:
+        return range(num_rows)
+    ranges = _absolute_ranges(split, {"train": num_rows}, path)
+    selected = (range(ranges[0][1], ranges[0][2]) if len(ranges) == 1
+                else [k for _, start, stop in ranges for k in range(start, stop)])
+    if len(selected) != num_rows:
+        _LOG.warning("%s: train_split %r selects %d of its %d rows. NeMo AutoModel 0.7.0 ignores train_split for "
+                     "local JSON/JSONL files (its precompute would capture all %d); this cache holds the %d selected.",
+                     path, split, len(selected), num_rows, num_rows, len(selected))
+    return selected
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+
+
+def _load_hf_splits(source: Path) -> dict[str, Any]:
+    """Every split of a parquet file or a dataset directory, as (memory-mapped) `datasets.Dataset` objects."""
+    import datasets
+
+    try:
+        if source.is_dir() and ((source / "state.json").exists() or (source / "dataset_dict.json").exists()):
+            loaded = datasets.load_from_disk(str(source))
+        elif source.is_dir():
+            loaded = datasets.load_dataset(str(source))
+        else:
+            loaded = datasets.load_dataset("parquet", data_files={"train": str(source)})
+    except Exception as exc:  # `datasets` raises many types for unreadable input; all are user errors here
+        raise CaptureError(f"{source}: cannot load the dataset with `datasets` ({exc}). {_FORMATS_HINT}") from None
+    if isinstance(loaded, datasets.Dataset):
+        return {"train": loaded}
+    return dict(loaded)
+
+
+def _hf_rows(source: Path, path: str, split: str | None, shuffle_seed: int) -> ChatRows:
+    """NeMo's order for HF data: `base[a:b]` -> shuffle the base split, then slice; any other expression ->
+    `datasets` selects first, then the selection is shuffled."""
+    splits = _load_hf_splits(source)
+    sizes = {name: len(ds) for name, ds in splits.items()}
+    match = _NEMO_SLICE_RE.match(split) if split is not None else None
+    base = match.group(1) if match else None
+    if match and base in splits:
+        order = _shuffled(sizes[base], shuffle_seed)
+        start, stop = (int(g) if g else None for g in match.group(2, 3))
+        picks = [(base, i) for i in order[start:stop]]
+    else:
+        ranges = _absolute_ranges(split or "train", sizes, path)
+        picks = [(name, i) for name, start, stop in ranges for i in range(start, stop)]
+        picks = [picks[i] for i in _shuffled(len(picks), shuffle_seed)]
+
+    def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
+        # One `select` per split and batch: row-by-row indexing of an Arrow table is slow.
+        for lo in range(start, stop, _HF_BATCH):
+            batch = picks[lo : min(stop, lo + _HF_BATCH)]
+            wanted: dict[str, list[int]] = {}
+            for name, index in batch:
+                wanted.setdefault(name, []).append(index)
+            records = {
+                name: dict(zip(indices, splits[name].select(indices).to_list())) for name, indices in wanted.items()
+            }
+            for name, index in batch:
+                yield f"{path} row {index + 1}", records[name][index]
+
+    return ChatRows(path=path, num_rows=len(picks), _read=read)
+
+
+def _shuffled(length: int, shuffle_seed: int) -> list[int]:
+    """The permutation `Dataset.shuffle(seed=shuffle_seed)` applies to a dataset of this length."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"i": list(range(length))}).shuffle(seed=shuffle_seed)["i"]

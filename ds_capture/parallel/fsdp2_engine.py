@@ -1,0 +1,142 @@
+"""``engine: fsdp2``: the frozen target sharded with torch's native ``fully_shard`` (FSDP2).
+
+In:  a :class:`~ds_capture.target.families.TargetInfo`, the :class:`~ds_capture.parallel.layout.ParallelPlan` (FSDP2 is pure
+     data parallel: ``tp_size`` 1, each rank forwards its own micro-batch), the cache dtype.
+Out: the plain Hugging Face causal LM (module paths unchanged, so hooks and the family registry work),
+     every decoder layer and then the root wrapped by ``fully_shard`` on a 1-D mesh over the whole world,
+     frozen and in eval mode. Each rank holds, and read from disk, only its dim-0 chunk of every parameter.
+
+Steps (the torchtitan recipe): build on meta (:func:`~ds_capture.target.loading.build_meta_model`),
+:func:`apply_fsdp`, ``to_empty``, the config-computed buffers (rotary ``inv_freq``), then
+:func:`load_fsdp_shards` fills each local shard from ``safe_open(...).get_slice`` with transformers' own
+checkpoint-name mapping (per-expert ``experts.E.gate_proj.weight`` on disk -> fused ``experts.gate_up_proj``).
+
+Every forward all-gathers each layer's parameters: all ranks must call it the same number of times (the
+runner's padding forwards guarantee that), under ``torch.no_grad()`` (gloo collectives fail under
+``inference_mode``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from ds_capture.errors import CaptureError
+from ds_capture.target.families import TargetInfo, get_submodule
+from ds_capture.target.loading import (
+    LoadStats,
+    OwnedSlice,
+    build_meta_model,
+    checkpoint_sources,
+    compute_host_buffers,
+    fill_from_checkpoint,
+    record_tensor_layout,
+    restore_tensor_layout,
+)
+
+
+def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
+                      attn_implementation: str | None) -> nn.Module:
+    """The frozen target for this rank, sharded by ``fully_shard`` over every rank of the job.
+
+    Collective: every rank must call it (the mesh creation and, later, every forward communicate).
+    ``groups`` is unused: FSDP2 shards over the whole world, which the plan sees as ``dp_size == world``.
+    """
+    if plan.tp_size != 1 or plan.ep_size != 1:
+        raise CaptureError(
+            f"engine: fsdp2 shards every parameter over all {plan.world_size} ranks and feeds each rank its own "
+            f"data; it has no tensor or expert parallelism (got tp_size {plan.tp_size}, ep_size {plan.ep_size}). "
+            "Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed."
+        )
+    device = _device()
+    model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
+    mesh = _mesh(plan.world_size, device)
+    apply_fsdp(model, target, mesh)
+    load_fsdp_shards(model, target, device=device)
+    return model
+
+
+def _device() -> torch.device:
+    if torch_dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mesh(world_size: int, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+
+
+def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any) -> None:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head).
+
+    One all-gather per layer keeps at most one unsharded layer alive at a time
+    (``reshard_after_forward``); the root group holds what is left over.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in get_submodule(model, target.family.layers):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int, int]:
+    """(first row, number of rows, full rows) of dim 0 this rank holds of an FSDP2 ``Shard(0)`` parameter.
+
+    FSDP2 cuts dim 0 like ``torch.chunk``: ``ceil(rows / world)`` per rank, the last ranks short or empty.
+    """
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(param, DTensor), f"expected an FSDP2 DTensor parameter, got {type(param).__name__}"
+    rows = param.shape[0]
+    mesh = param.device_mesh
+    start, _ = dim0_chunk(rows, mesh.size(), mesh.get_local_rank())
+    return start, param.to_local().shape[0], rows
+
+
+def dim0_chunk(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(first row, number of rows) of dim 0 that ``rank`` holds: ``torch.chunk``'s split, as FSDP2 cuts ``Shard(0)``.
+
+    ``ceil(rows / world_size)`` per rank; the last ranks short or empty. (ds-capture plan sizes ranks with it.)
+    """
+    per_rank = -(-rows // world_size)
+    start = min(rank * per_rank, rows)
+    return start, min(per_rank, rows - start)
+
+
+@torch.no_grad()
+def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.device) -> LoadStats:
+    """Materialise the sharded ``model`` on ``device`` and fill every local shard from the checkpoint.
+
+    Parameters are FSDP2 DTensors: this rank reads rows ``[start, start + n)`` of each checkpoint tensor
+    (experts ``[start, start + n)`` for fused expert tensors, opening only those experts' per-expert
+    tensors). Buffers are not sharded: persistent ones are read whole, non-persistent ones (rotary
+    ``inv_freq``) are computed by the model's own ``_init_weights``. The reads are
+    :func:`~ds_capture.target.loading.fill_from_checkpoint`'s, as for the DeepSpeed engine.
+    """
+    from torch.distributed.tensor import DTensor
+
+    layout = record_tensor_layout(model)
+    model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
+    restore_tensor_layout(model, layout)
+    compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
+
+    index, key_map, state = checkpoint_sources(model, target)
+    # This rank's dim-0 chunk of every DTensor parameter (a fused expert tensor's rows are whole experts,
+    # so only those experts' per-expert checkpoint tensors are opened); buffers and plain tensors whole.
+    destinations: dict[str, torch.Tensor] = {}
+    owned: dict[str, OwnedSlice] = {}
+    for name in key_map.sources:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            start, length, rows = _local_rows(tensor)
+            destinations[name] = tensor.to_local()
+            if length < rows:
+                owned[name] = OwnedSlice(dim=0, start=start, length=length, experts=name in key_map.converter_of)
+        else:
+            destinations[name] = tensor
+    return fill_from_checkpoint(index, key_map, destinations, owned)

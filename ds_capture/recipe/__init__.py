@@ -1,0 +1,1 @@
+"""The recipe stage: a YAML recipe (+ DeepSpeed JSON) -> a validated, frozen ``RunConfig``."""

@@ -1,0 +1,448 @@
+"""Configuration: a YAML recipe (+ DeepSpeed JSON) -> a validated, frozen :class:`RunConfig`.
+
+In: the path of a YAML recipe in NeMo AutoModel's precompute schema (``dist_env``,
+``distributed``, ``recipe_args``) plus this project's ``engine``, ``cache_kind`` and ``deepspeed_config`` keys,
+and ``--set dotted.key=value`` overrides. Out: a frozen ``RunConfig``; the rest of the code never
+sees a raw dict. Every value is type-checked and range-checked here, before any process group
+or weight is touched; every error names the file and the YAML path of the bad value. Checks
+that need the target's ``config.json`` (layer ids, head counts) live with the stages that own
+those facts and also run before loading.
+
+    cfg = load_config("configs/demo.yaml", overrides=["recipe_args.seq_length=256"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ds_capture.errors import CaptureError
+
+_LOG = logging.getLogger("ds_capture")
+
+CACHE_DTYPES = ("bf16", "fp16", "fp32")
+ENGINES = ("deepspeed", "fsdp2")
+CACHE_KINDS = ("dspark", "eagle3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnvConfig:
+    """``dist_env``: how the process group is initialised."""
+
+    backend: str | None = None
+    """``gloo`` or ``nccl``; default: nccl when CUDA is present, else gloo."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"must be 'gloo' or 'nccl', got {self.backend!r}", "backend")
+        if self.timeout_minutes < 1:
+            raise ValueError(f"must be >= 1, got {self.timeout_minutes}", "timeout_minutes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """``distributed``: parallel degrees. Unset degrees may come from the DeepSpeed config instead."""
+
+    tp_size: int | None = None
+    """Tensor-parallel degree (DeepSpeed AutoTP); ranks of one TP group forward the same micro-batch."""
+    ep_size: int | None = None
+    """Expert-parallel degree for routed MoE experts."""
+    pp_size: int = 1
+    """Pipeline parallelism: not supported (forward hooks need the whole layer stack in one module)."""
+    cp_size: int = 1
+    """Context parallelism: not supported by the capture."""
+    strategy: str | None = None
+    """NeMo's sharding strategy name; recorded, the engine is chosen by the top-level ``engine`` key."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "ep_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"must be >= 1, got {value}", name)
+        if self.pp_size != 1:
+            raise ValueError(
+                f"pipeline parallelism is not supported (got {self.pp_size}): the capture hooks every decoder "
+                "layer of one module. Set pp_size: 1 and shard a large target with tp_size / ep_size.",
+                "pp_size",
+            )
+        if self.cp_size != 1:
+            raise ValueError(
+                f"context parallelism is not supported (got {self.cp_size}): each sequence must be forwarded "
+                "whole to capture its hidden states. Set cp_size: 1.",
+                "cp_size",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeArgs:
+    """``recipe_args``: target, data and cache settings (NeMo's precompute keys)."""
+
+    target_model_name_or_path: str
+    """Local Hugging Face checkpoint directory (config.json + safetensors + tokenizer), or ``demo:qwen3_moe_tiny``."""
+    train_data_path: str
+    """JSONL/JSON file, parquet file or Hugging Face dataset directory, or ``demo:conversations``."""
+    cache_output_dir: str
+    """Where the cache is written (a shared filesystem for multi-node runs)."""
+    seq_length: int
+    """S: every row is truncated or padded to it."""
+    train_split: str | None = None
+    """Split expression such as ``train[:1000]``; Hugging Face datasets are shuffled first."""
+    micro_batch_size: int = 1
+    """Rows per forward."""
+    num_workers: int = 0
+    """Accepted for NeMo compatibility; tokenisation runs in-process."""
+    shuffle_seed: int = 42
+    """Seed of the Hugging Face dataset shuffle (recorded even where unused)."""
+    trust_remote_code: bool = False
+    cache_dtype: str = "bf16"
+    """Float dtype of cached hidden states and weights: bf16, fp16 or fp32."""
+    cache_shard_size: int = 256
+    """Rows per shard; a multiple of micro_batch_size."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """Captured layers (strictly increasing; -1 = embeddings, L-1 = post-final-norm). Default: DESIGN §3 rule."""
+    draft_num_hidden_layers: int = 5
+    """Drives the default layer ids when target_layer_ids is unset."""
+    target_num_hidden_layers: int | None = None
+    """NeMo's reduced-depth diagnostic: build and read only the first N decoder layers (1 <= N <= L)."""
+    chat_template: str | None = None
+    """Override of the tokenizer's chat template: inline Jinja or a file path."""
+    mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
+    target_attn_implementation: str | None = None
+    """``sdpa`` / ``eager`` / ...; default: the transformers default."""
+    draft_vocab_size: int | None = None
+    """EAGLE-3 only (NeMo's ``--draft-vocab-size``): the draft vocabulary; absent: the full target vocabulary."""
+    target_probs_topk: int | None = None
+    """EAGLE-3 only (``--target-probs-topk``): store the top-k of ``target_probs``; 0 or absent: in full."""
+    aux_layer_ids: tuple[int, ...] | None = None
+    """EAGLE-3 only (``--aux-layer-ids``): 3 distinct decoder layers (pre-norm outputs), in concatenation
+    order. Default: NeMo's ``[1, L//2 - 1, L - 4]``."""
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"must be >= 1 or absent (absent: the full target vocabulary), got "
+                             f"{self.draft_vocab_size}", "draft_vocab_size")
+        if self.target_probs_topk is not None and self.target_probs_topk < 0:
+            raise ValueError(f"must be >= 0 (0: target_probs stored in full), got {self.target_probs_topk}",
+                             "target_probs_topk")
+        aux = self.aux_layer_ids
+        if aux is not None and (len(aux) != 3 or len(set(aux)) != 3 or min(aux) < 0):
+            raise ValueError(
+                f"must be exactly 3 distinct decoder layer ids >= 0 (EAGLE-3 concatenates 3 layers, matching the "
+                f"draft's num_aux_hidden_states), got {list(aux)}", "aux_layer_ids")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}", "cache_dtype")
+        if self.seq_length < 2:
+            raise ValueError(f"must be >= 2, got {self.seq_length}", "seq_length")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"must be >= 1, got {self.micro_batch_size}", "micro_batch_size")
+        if self.cache_shard_size < 1:
+            raise ValueError(f"must be >= 1, got {self.cache_shard_size}", "cache_shard_size")
+        if self.cache_shard_size % self.micro_batch_size:
+            raise ValueError(
+                f"({self.cache_shard_size}) must be a multiple of micro_batch_size ({self.micro_batch_size}) "
+                "so shards align to micro-batch boundaries",
+                "cache_shard_size",
+            )
+        if self.draft_num_hidden_layers < 1:
+            raise ValueError(f"must be >= 1, got {self.draft_num_hidden_layers}", "draft_num_hidden_layers")
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or any(b <= a for a, b in zip(ids, ids[1:]))):
+            raise ValueError(f"must be a non-empty, strictly increasing list, got {list(ids)}", "target_layer_ids")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions:
+    """``capture``: this project's throughput and robustness knobs (not part of NeMo's schema)."""
+
+    pad_to_multiple_of: int = 64
+    """Each micro-batch is computed at its longest row rounded up to this (0: always at seq_length).
+    Hidden states at padding positions are written as 0 either way."""
+    sort_by_length: bool = True
+    """Batch rows of similar length together within each shard (rows are still written in dataset order)."""
+    writer_buffer_mib: int = 1024
+    """Host memory (MiB) for captured micro-batches waiting to be written (pinned on CUDA): the forward
+    loop waits while it is full. At least one micro-batch fits whatever the value; 0 writes synchronously.
+    Whole shards are never held: rows go to their place in the shard file as their micro-batch completes."""
+    nan_policy: str = "fail"
+    """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
+    written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
+    metrics_interval_steps: int = 8
+    """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
+    gpu_memory_gib: float | None = None
+    """GPU memory per rank (GiB) that ``run`` checks the layout against before any weight loads, with
+    ``ds-capture plan``'s computation; default: the local CUDA device's total memory (no check on a machine
+    without CUDA); 0 disables the check."""
+    compute_dtype: str = "auto"
+    """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
+    the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
+    expert_storage: str = "dequantized"
+    """Quantized checkpoints: ``dequantized`` (every weight dequantized to the compute dtype on load) or
+    ``checkpoint`` (routed experts stay resident in the checkpoint's FP8 / FP4 / INT4 format and are
+    dequantized per expert just before its matmul; same cache bit for bit, less memory)."""
+
+    def __post_init__(self) -> None:
+        if self.expert_storage not in ("dequantized", "checkpoint"):
+            raise ValueError(f"must be dequantized or checkpoint, got {self.expert_storage!r}", "expert_storage")
+        if self.compute_dtype not in ("auto", *CACHE_DTYPES):
+            raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
+        if self.pad_to_multiple_of < 0:
+            raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
+        if self.writer_buffer_mib < 0:
+            raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
+        if self.nan_policy not in ("fail", "record"):
+            raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib < 0:
+            raise ValueError(f"must be >= 0 (0: no check), got {self.gpu_memory_gib}", "gpu_memory_gib")
+        if self.metrics_interval_steps < 1:
+            raise ValueError(f"must be >= 1, got {self.metrics_interval_steps}", "metrics_interval_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One capture run, fully validated."""
+
+    recipe_args: RecipeArgs
+    dist_env: DistEnvConfig = field(default_factory=DistEnvConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
+    engine: str = "deepspeed"
+    """``deepspeed`` (AutoTP + expert parallelism) or ``fsdp2`` (torch fully_shard)."""
+    cache_kind: str = "dspark"
+    """``dspark`` (NeMo's DSpark offline cache, format v1) or ``eagle3`` (its EAGLE-3 offline cache, format v2)."""
+    deepspeed_config: Mapping[str, Any] | None = None
+    """The DeepSpeed config: a path (relative to the YAML file) or an inline mapping; loaded here."""
+    source: str = "<config>"
+    """The YAML file this came from (for messages)."""
+    deepspeed_config_source: str = "<inline deepspeed_config>"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"must be one of {', '.join(ENGINES)}, got {self.engine!r}", "engine")
+        if self.cache_kind not in CACHE_KINDS:
+            raise ValueError(f"must be one of {', '.join(CACHE_KINDS)}, got {self.cache_kind!r}", "cache_kind")
+
+
+# recipe_args keys that only one cache kind reads: key -> (its kind, why the other kind refuses it).
+KIND_ONLY_KEYS: dict[str, tuple[str, str]] = {
+    "draft_vocab_size": ("eagle3", "it sizes the draft vocabulary of EAGLE-3's target_probs; the DSpark cache "
+                                   "stores hidden states and no target distribution"),
+    "target_probs_topk": ("eagle3", "it compresses EAGLE-3's target_probs; the DSpark cache has none"),
+    "aux_layer_ids": ("eagle3", "it names EAGLE-3's 3 aux layers; the DSpark cache captures "
+                                "recipe_args.target_layer_ids"),
+    "target_layer_ids": ("dspark", "EAGLE-3 captures exactly 3 pre-norm decoder outputs named by "
+                                   "recipe_args.aux_layer_ids (NeMo's --aux-layer-ids)"),
+    "draft_num_hidden_layers": ("dspark", "it only drives DSpark's default target_layer_ids; EAGLE-3's default "
+                                          "aux layers are NeMo's [1, L//2 - 1, L - 4]"),
+    "chat_template": ("dspark", "NeMo's precompute_eagle3 has no --chat-template and the EAGLE-3 manifest does not "
+                                "record the template, so a cache made with an override could not be told apart; "
+                                "put the template into the tokenizer's own chat_template instead"),
+}
+
+
+def _refuse_other_kind_keys(recipe_args: Mapping[str, Any], cache_kind: Any, source: str) -> None:
+    for key in recipe_args:
+        kind, reason = KIND_ONLY_KEYS.get(key, (cache_kind, ""))
+        if kind != cache_kind and cache_kind in CACHE_KINDS:
+            raise CaptureError(
+                f"{source}: `recipe_args.{key}` applies only to cache_kind: {kind}, and this run writes the "
+                f"{cache_kind} cache: {reason}. Remove the key, or set cache_kind: {kind}."
+            )
+
+
+# Keys NeMo's own recipes use for backends this project does not have: accepted with one
+# warning each, so a NeMo YAML runs unchanged. Anything else unknown is an error.
+NEMO_BACKEND_KEYS = {
+    "distributed": {
+        "dp_size", "dp_replicate_size", "sequence_parallel", "activation_checkpointing", "moe", "pipeline",
+        "mesh_dims", "multimodal", "vision", "frame_sharding", "defer_fsdp_grad_sync", "_target_",
+    },
+    "recipe_args": {
+        "target_attn_backend", "target_dispatcher", "target_experts", "target_enable_fsdp_optimizations",
+        "target_force_hf",
+    },
+    "": {"backend", "model", "step_scheduler", "rng", "checkpoint", "wandb", "optimizer", "lr_scheduler"},
+}
+
+_SECTIONS = {
+    "dist_env": DistEnvConfig, "distributed": DistributedConfig, "recipe_args": RecipeArgs, "capture": CaptureOptions,
+}
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read, override and validate a YAML recipe. Raises ``CaptureError`` naming file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaptureError(f"config file {path} does not exist. Pass the path of a YAML recipe, e.g. configs/demo.yaml.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise CaptureError(f"{path}: not valid YAML ({error}).") from error
+    if not isinstance(raw, dict):
+        raise CaptureError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}.")
+    for override in overrides:
+        _apply_override(raw, override, path)
+    return parse_config(raw, source=str(path), base_dir=path.parent)
+
+
+def parse_config(raw: Mapping[str, Any], *, source: str, base_dir: Path) -> RunConfig:
+    """Validate an already-loaded mapping (the YAML plus overrides) into a ``RunConfig``."""
+    _warn_or_refuse_unknown(raw, "", set(_SECTIONS) | {"engine", "cache_kind", "deepspeed_config"}, source)
+    cache_kind = _check_type(raw.get("cache_kind", "dspark"), str, "cache_kind", source)
+    if isinstance(raw.get("recipe_args"), dict):
+        _refuse_other_kind_keys(raw["recipe_args"], cache_kind, source)
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        value = raw.get(name)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise CaptureError(f"{source}: `{name}` must be a mapping, got {type(value).__name__}.")
+        sections[name] = _build_section(cls, value, name, source)
+    ds_config, ds_source = _load_deepspeed_config(raw.get("deepspeed_config"), base_dir, source)
+    engine = raw.get("engine", "deepspeed")
+    try:
+        return RunConfig(
+            **sections,
+            engine=_check_type(engine, str, "engine", source),
+            cache_kind=cache_kind,
+            deepspeed_config=ds_config,
+            source=source,
+            deepspeed_config_source=ds_source,
+        )
+    except ValueError as error:
+        raise _as_capture_error(error, "", source) from None
+
+
+def _build_section(cls: type, values: Mapping[str, Any], section: str, source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _warn_or_refuse_unknown(values, section, set(fields), source)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        if name in fields:
+            kwargs[name] = _check_type(value, hints[name], f"{section}.{name}", source)
+    missing = [
+        name for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise CaptureError(
+            f"{source}: required key{'s' if len(missing) > 1 else ''} "
+            + ", ".join(f"`{section}.{name}`" for name in missing)
+            + f" missing. Add {'them' if len(missing) > 1 else 'it'} under `{section}:`."
+        )
+    try:
+        return cls(**kwargs)
+    except ValueError as error:
+        raise _as_capture_error(error, section, source) from None
+
+
+def _as_capture_error(error: ValueError, section: str, source: str) -> CaptureError:
+    message, key = error.args if len(error.args) == 2 else (str(error), "?")
+    path = f"{section}.{key}" if section else key
+    return CaptureError(f"{source}: `{path}` {message.rstrip('.')}.")
+
+
+def _warn_or_refuse_unknown(values: Mapping[str, Any], section: str, valid: set[str], source: str) -> None:
+    for key in values:
+        if key in valid:
+            continue
+        where = f"{section}.{key}" if section else key
+        if key in NEMO_BACKEND_KEYS.get(section, ()):
+            _LOG.warning("%s: `%s` is a NeMo backend setting; it does not apply to ds_capture and is ignored.",
+                         source, where)
+            continue
+        raise CaptureError(
+            f"{source}: unknown key `{where}`. Valid keys{' under `' + section + '`' if section else ''}: "
+            + ", ".join(sorted(valid)) + ". Fix the spelling or remove the key."
+        )
+
+
+def _check_type(value: Any, hint: Any, where: str, source: str) -> Any:
+    """Return ``value`` converted to ``hint`` (lists -> tuples) or raise a CaptureError naming ``where``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where, source)
+            except CaptureError as error:
+                errors.append(error)
+        raise errors[0]
+    if origin is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise CaptureError(f"{source}: `{where}` must be a list, got {value!r}.")
+        return tuple(_check_type(item, item_hint, f"{where}[{i}]", source) for i, item in enumerate(value))
+    if origin is not None and issubclass(origin, Mapping):
+        if not isinstance(value, Mapping):
+            raise CaptureError(f"{source}: `{where}` must be a mapping, got {value!r}.")
+        return value
+    # bool is a subclass of int in Python; a YAML `true` is not a size.
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise CaptureError(f"{source}: `{where}` must be an integer, got {value!r}.")
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CaptureError(f"{source}: `{where}` must be a number, got {value!r}.")
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise CaptureError(f"{source}: `{where}` must be true or false, got {value!r}.")
+    if hint is str and not isinstance(value, str):
+        raise CaptureError(f"{source}: `{where}` must be a string, got {value!r}.")
+    return value
+
+
+def _load_deepspeed_config(value: Any, base_dir: Path, source: str) -> tuple[Mapping[str, Any] | None, str]:
+    if value is None:
+        return None, "<none>"
+    if isinstance(value, dict):
+        return types.MappingProxyType(dict(value)), f"{source} (inline deepspeed_config)"
+    if not isinstance(value, str):
+        raise CaptureError(f"{source}: `deepspeed_config` must be a path or a mapping, got {value!r}.")
+    ds_path = (base_dir / value) if not Path(value).is_absolute() else Path(value)
+    if not ds_path.is_file():
+        raise CaptureError(
+            f"{source}: `deepspeed_config` {value!r} does not exist (looked for {ds_path}; paths are relative to "
+            "the YAML file). Point it into ds_configs/, e.g. ../ds_configs/tp2.json."
+        )
+    try:
+        loaded = json.loads(ds_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CaptureError(f"{ds_path}: not valid JSON ({error}).") from error
+    if not isinstance(loaded, dict):
+        raise CaptureError(f"{ds_path}: a DeepSpeed config must be a JSON object.")
+    return types.MappingProxyType(loaded), str(ds_path)
+
+
+def _apply_override(raw: dict, override: str, path: Path) -> None:
+    """Apply ``dotted.key=value`` (value parsed as YAML) to the raw mapping; types are checked later."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise CaptureError(f"--set {override!r}: expected dotted.key=value, e.g. --set recipe_args.seq_length=512.")
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise CaptureError(f"--set {override!r}: `{part}` in {path} is not a section.")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as error:
+        raise CaptureError(f"--set {override!r}: the value is not valid YAML ({error}).") from error

@@ -1,0 +1,1 @@
+"""The sizing stage: the ``ds-capture plan`` command: counting on meta, the memory model, the report."""

@@ -1,0 +1,247 @@
+"""``ds-capture plan``: what one capture run needs on every rank, from the target's ``config.json`` alone.
+
+In:  a validated :class:`~ds_capture.recipe.config.RunConfig`, a world size and a GPU budget. Nothing else is read but
+     the target's ``config.json`` (no weights, no tokenizer needed) and, when it exists, the dataset (to count
+     its rows and estimate their lengths).
+Out: a :class:`PlanReport`: per rank, parameter bytes by kind (counted from the real-size model built on
+     ``meta`` and shaped by the engines' own layout functions, :mod:`ds_capture.parallel.meta_layout`), the
+     forward's activation peak (an estimate, :mod:`ds_capture.sizing.memory_model`, with its largest term named), the
+     capture buffers, the writer's device and host memory, the total against the budget, and the cache's size.
+     ``run`` calls :func:`refuse_if_not_fitting` before any weight loads.
+
+Ranks are computed per distinct role and expanded: under the DeepSpeed engine a rank's parameters depend only
+on its TP rank (every EP rank holds E/ep experts), its writer memory on whether it is its TP group's rank 0;
+under FSDP2 on the rank's dim-0 chunks. So a world of 512 costs one meta model.
+
+    report = plan_capture(load_config("configs/glm5.yaml"), world_size=64, gpu_memory_gib=79.6)
+    print(report.format())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_capture.capture.hooks import resolve_layer_ids
+from ds_capture.errors import CaptureError
+from ds_capture.parallel.layout import build_plan, resolve_degrees
+from ds_capture.recipe.config import RunConfig
+from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.count import Layout, RankEstimate, Sizer, cache_estimate
+from ds_capture.target.families import TargetInfo, read_target_info
+
+MAX_WORLD_SIZE = 512
+
+
+@dataclass
+class PlanReport:
+    """Everything ``ds-capture plan`` prints; :meth:`to_dict` is the ``--json`` object."""
+
+    source: str
+    target: TargetInfo
+    layout: Layout
+    compute_dtype: str
+    cache_dtype: str
+    seq_length: int
+    layer_ids: list[int]
+    budget_bytes: float
+    budget_source: str
+    expert_storage: mm.ExpertStorage
+    total_params: int
+    ranks: list[RankEstimate]
+    activation_largest: mm.Term
+    activation_terms: list[mm.Term]
+    cache: dict[str, Any]
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    storage_alternatives: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak_bytes <= self.budget_bytes
+
+    def largest_consumer(self) -> tuple[str, float]:
+        name, value = max(self.worst.consumers().items(), key=lambda item: item[1])
+        if name == "activations":
+            name = f"activations ({self.activation_largest.name})"
+        return name, value
+
+    def reason(self) -> str:
+        """The one-line verdict (``run`` refuses with it)."""
+        worst, (name, value) = self.worst, self.largest_consumer()
+        verdict = "fits" if self.fits else "does NOT fit"
+        line = (f"{self.layout.describe()}: rank {worst.rank} needs {_gib(worst.peak_bytes)} of "
+                f"{_gib(self.budget_bytes)} per GPU ({self.budget_source}): {verdict}; largest consumer: {name} "
+                f"{_gib(value)}")
+        if not self.fits and self.alternatives:
+            line += "; would fit: " + "; ".join(a["layout"] for a in self.alternatives[:3])
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        name, value = self.largest_consumer()
+        return {
+            "config": self.source, "model_type": self.target.model_type, "total_params": self.total_params,
+            "layout": {"engine": self.layout.engine, "world_size": self.layout.world_size,
+                       "dp_size": self.layout.dp_size, "tp_size": self.layout.tp_size,
+                       "ep_size": self.layout.ep_size, "micro_batch_size": self.layout.micro_batch_size,
+                       "seq_length": self.seq_length},
+            "compute_dtype": self.compute_dtype, "cache_dtype": self.cache_dtype, "layer_ids": self.layer_ids,
+            "expert_storage": {"format": self.expert_storage.format, "detail": self.expert_storage.detail},
+            "gpu_memory_bytes": int(self.budget_bytes), "gpu_memory_source": self.budget_source,
+            "fits": self.fits, "largest_consumer": {"name": name, "bytes": int(value)},
+            "activation_estimate": {"largest_term": self.activation_largest.name,
+                                    "largest_term_bytes": int(self.activation_largest.bytes),
+                                    "note": self.activation_largest.note,
+                                    "stack_terms": {t.name: int(t.bytes) for t in self.activation_terms}},
+            "reason": self.reason(),
+            "per_rank": [r.to_dict(self.budget_bytes) for r in self.ranks],
+            "layouts_that_fit": self.alternatives,
+            "expert_storage_alternatives": self.storage_alternatives,
+            "cache": self.cache,
+        }
+
+    def format(self) -> str:
+        from ds_capture.sizing.report import format_report
+
+        return format_report(self)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gib: float | None = None,
+                 compute_dtype: str | None = None, suggest: bool = True, count_dataset: bool = True) -> PlanReport:
+    """Size ``cfg`` on ``world_size`` ranks (default: the smallest world its degrees allow) against the budget.
+
+    ``compute_dtype`` None follows ``capture.compute_dtype``, sizing a GPU run (``auto`` = bf16).
+    ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
+    """
+    from ds_capture.demo import resolve_special_path
+    from ds_capture.parallel.deepspeed_engine import _tp_grain_size
+
+    args = cfg.recipe_args
+    target = _read_target(Path(resolve_special_path(args.target_model_name_or_path)), args.trust_remote_code)
+    layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
+                                  source=cfg.source)
+    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
+                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
+    world_size = world_size or _smallest_world(tp_size, ep_size)
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
+    budget, budget_source = resolve_budget(cfg, gpu_memory_gib)
+    dtype_name = compute_dtype or ("bf16" if cfg.capture.compute_dtype == "auto" else cfg.capture.compute_dtype)
+    storage = _configured_storage(cfg, target)
+    sizer = Sizer(cfg, target, layer_ids, dtype_name, _tp_grain_size(cfg.deepspeed_config))
+    layout = Layout(cfg.engine, world_size, tp_size, ep_size, args.micro_batch_size)
+    _validate_layout(target, layout)
+    ranks, largest, stack = sizer.ranks(layout, storage)
+    report = PlanReport(
+        source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
+        seq_length=args.seq_length, layer_ids=layer_ids, budget_bytes=budget, budget_source=budget_source,
+        expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size).total_params, ranks=ranks, activation_largest=largest,
+        activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
+    )
+    checkpoint = mm.checkpoint_expert_storage(target_quantization(target))
+    if checkpoint is not None and checkpoint.bytes_per_param is not None:
+        for option in (mm.COMPUTE_STORAGE, checkpoint):
+            if option.format != storage.format:
+                worst = max(sizer.ranks(layout, option)[0], key=lambda r: r.peak_bytes)
+                report.storage_alternatives.append({
+                    "expert_storage": "checkpoint" if option is checkpoint else "dequantized", "format": option.format,
+                    "detail": option.detail, "param_bytes": int(worst.param_bytes),
+                    "peak_bytes": int(worst.peak_bytes), "fits": worst.peak_bytes <= budget})
+    if suggest and not report.fits:
+        report.alternatives = sizer.fitting_layouts(layout, storage, budget,
+                                                    validate=lambda candidate: _validate_layout(target, candidate))
+    return report
+
+
+def resolve_budget(cfg: RunConfig, gpu_memory_gib: float | None) -> tuple[float, str]:
+    """(bytes, where the number came from): the flag, ``capture.gpu_memory_gib``, the local CUDA device, or 80 GB."""
+    if gpu_memory_gib is not None:
+        return gpu_memory_gib * mm.GIB, "--gpu-memory-gib"
+    configured = cfg.capture.gpu_memory_gib
+    if configured is not None:
+        return configured * mm.GIB, "capture.gpu_memory_gib"
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return float(total), f"this machine's {torch.cuda.get_device_name()}"
+    return mm.DEFAULT_GPU_MEMORY_GIB * mm.GIB, "no CUDA device here: an 80 GB GPU"
+
+
+def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype) -> None:
+    """``run``'s check before any weight loads: plan's verdict for this world, a ``CaptureError`` if it does not fit.
+
+    The budget is ``capture.gpu_memory_gib`` or, on a CUDA machine, the device's total memory; on a CPU-only
+    machine without the key nothing is checked (host memory is not what plan sizes).
+    """
+    if cfg.capture.gpu_memory_gib is None and not torch.cuda.is_available():
+        return
+    if cfg.capture.gpu_memory_gib == 0:
+        return
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype]
+    report = plan_capture(cfg, world_size=world_size, compute_dtype=name, suggest=True, count_dataset=False)
+    if not report.fits:
+        raise CaptureError(
+            f"{cfg.source}: {report.reason()}. Nothing was loaded. Choose a layout that fits (ds-capture plan -c "
+            f"{cfg.source} shows every rank), lower recipe_args.micro_batch_size, or set capture.gpu_memory_gib.")
+
+
+def target_quantization(target: TargetInfo) -> dict | None:
+    """``quantization_config`` of the target's config.json (or of its text_config), None when unquantized."""
+    raw = json.loads((target.path / "config.json").read_text())
+    for section in (raw, raw.get("text_config") or {}):
+        quantization = section.get("quantization_config")
+        if quantization:
+            # DeepSeek-V4 ships the experts' dtype beside quantization_config (its config class folds it in).
+            if section.get("expert_dtype") and "expert_dtype" not in quantization:
+                quantization = {**quantization, "expert_dtype": section["expert_dtype"]}
+            return quantization
+    return None
+
+
+def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
+    return read_target_info(path, trust_remote_code=trust_remote_code)
+
+
+def _configured_storage(cfg: RunConfig, target: TargetInfo) -> mm.ExpertStorage:
+    # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
+    if cfg.capture.expert_storage == "checkpoint":
+        storage = mm.checkpoint_expert_storage(target_quantization(target))
+        if storage is not None:
+            return storage
+    return mm.COMPUTE_STORAGE
+
+
+def _smallest_world(tp_size: int, ep_size: int) -> int:
+    return math.lcm(tp_size, ep_size)
+
+
+def _validate_layout(target: TargetInfo, layout: Layout) -> None:
+    """The run's own refusals (degrees vs world and model, the family's supported layouts), before any sizing."""
+    family = target.family
+    if layout.tp_size > 1 and not family.supports_tp:
+        raise CaptureError(f"tp_size {layout.tp_size}: {family.tp_refusal}")
+    if layout.ep_size > 1 and not family.supports_ep:
+        raise CaptureError(f"ep_size {layout.ep_size}: {family.ep_refusal}")
+    if layout.engine == "fsdp2" and (layout.tp_size > 1 or layout.ep_size > 1):
+        raise CaptureError(
+            f"engine: fsdp2 has no tensor or expert parallelism (got tp_size {layout.tp_size}, ep_size "
+            f"{layout.ep_size}). Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed.")
+    build_plan(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
+               num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
+               num_key_value_heads=target.tp_key_value_heads)
+
+
+def _gib(value: float) -> str:
+    if abs(value) < mm.GIB:
+        return f"{value / (1 << 20):,.1f} MiB"
+    return f"{value / mm.GIB:,.1f} GiB"
+

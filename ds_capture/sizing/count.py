@@ -1,0 +1,431 @@
+"""The counting half of ``ds-capture plan``: the sharded meta model -> a tensor table -> every rank's memory.
+
+In:  the run config, the target, the compute dtype, a layout (engine, world, tp, ep, micro-batch).
+Out: :class:`Sizer.ranks` -> one :class:`RankEstimate` per rank (computed per distinct role, then expanded);
+     :meth:`Sizer.fitting_layouts` -> other layouts that fit the budget; :func:`cache_estimate` -> the cache's size.
+
+Parameters (and buffers) are counted from the model the engines would build, on ``meta``: the DeepSpeed layout
+comes from :func:`~ds_capture.parallel.meta_layout.build_layout_on_meta` (the engine's EP, then DeepSpeed's own
+AutoTP replacement), FSDP2's from its dim-0 chunk rule. One meta model per (engine, tp, ep) is built and kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_capture.errors import CaptureError
+from ds_capture.sizing import memory_model as mm
+from ds_capture.target.families import TargetInfo
+
+KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Layout:
+    engine: str
+    world_size: int
+    tp_size: int
+    ep_size: int
+    micro_batch_size: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    def describe(self) -> str:
+        shape = (f"engine fsdp2, world {self.world_size}" if self.engine == "fsdp2" else
+                 f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ep {self.ep_size}")
+        return f"{shape}, micro_batch_size {self.micro_batch_size}"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One parameter or buffer of the sharded meta model: tp rank 0's shape and how other ranks differ."""
+
+    name: str
+    kind: str
+    itemsize: int
+    shape: tuple[int, ...]
+    is_expert: bool
+    layer: int | None
+    tp_dim: int | None = None
+    tp_sizes: tuple[int, ...] = ()
+    fsdp_sharded: bool = False
+
+    def numel(self, tp_rank: int = 0) -> int:
+        return math.prod(self.tp_sizes[tp_rank] if d == self.tp_dim else s for d, s in enumerate(self.shape))
+
+
+@dataclass
+class RankEstimate:
+    """One rank's device and host memory, in bytes."""
+
+    rank: int
+    tp_rank: int
+    ep_rank: int
+    dp_rank: int
+    is_writer: bool
+    param_bytes_by_kind: dict[str, float]
+    activation_bytes: float
+    capture_bytes: float
+    writer_device_bytes: float
+    writer_host_bytes: float
+    fsdp2_gather_bytes: float
+    reserve_bytes: float
+    host_bytes: float
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(self.param_bytes_by_kind.values())
+
+    @property
+    def peak_bytes(self) -> float:
+        return (self.param_bytes + self.activation_bytes + self.capture_bytes + self.writer_device_bytes
+                + self.fsdp2_gather_bytes + self.reserve_bytes)
+
+    def consumers(self) -> dict[str, float]:
+        return {**self.param_bytes_by_kind, "activations": self.activation_bytes,
+                "capture buffers": self.capture_bytes, "FSDP2 all-gathered layers": self.fsdp2_gather_bytes,
+                "runtime reserve": self.reserve_bytes}
+
+    def to_dict(self, budget: float) -> dict[str, Any]:
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "ep_rank": self.ep_rank, "dp_rank": self.dp_rank,
+                "is_writer": self.is_writer, "param_bytes": int(self.param_bytes),
+                "param_bytes_by_kind": {k: int(v) for k, v in self.param_bytes_by_kind.items()},
+                "activation_bytes": int(self.activation_bytes), "capture_bytes": int(self.capture_bytes),
+                "writer_device_bytes": int(self.writer_device_bytes),
+                "writer_host_bytes": int(self.writer_host_bytes), "fsdp2_gather_bytes": int(self.fsdp2_gather_bytes),
+                "reserve_bytes": int(self.reserve_bytes), "peak_bytes": int(self.peak_bytes),
+                "host_bytes": int(self.host_bytes), "fits": self.peak_bytes <= budget}
+
+
+@dataclass(frozen=True)
+class _Table:
+    tensors: list[TensorEntry]
+    shapes: mm.BlockShapes
+    total_params: int
+    text_config: Any
+    attn_implementation: str
+    """The attention implementation the model resolved (DeepSeek-V4 has only eager)."""
+
+
+_TABLES: dict[tuple, _Table] = {}
+"""Tensor tables by (config.json and its mtime, dtype, grain, attention, engine, tp, ep): immutable, kept."""
+
+
+class Sizer:
+    """Counts one target's ranks under any layout; meta models are built once per (engine, tp, ep)."""
+
+    def __init__(self, cfg: Any, target: TargetInfo, layer_ids: list[int], compute_dtype: str,
+                 tp_grain_size: int) -> None:
+        self.cfg, self.target, self.layer_ids = cfg, target, layer_ids
+        self.compute_dtype, self.tp_grain_size = compute_dtype, tp_grain_size
+        self.num_built = 0
+
+    # -- the tensor table ----------------------------------------------------------------------------------------
+    def _key(self, engine: str, tp_size: int, ep_size: int) -> tuple:
+        config = self.target.path / "config.json"
+        return (str(config), config.stat().st_mtime_ns, self.compute_dtype, self.tp_grain_size,
+                self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size)
+
+    def has_table(self, engine: str, tp_size: int, ep_size: int) -> bool:
+        return self._key(engine, tp_size, ep_size) in _TABLES
+
+    def table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
+        """The tensor table of one layout; built once per process (a meta model takes about a second)."""
+        key = self._key(engine, tp_size, ep_size)
+        if key not in _TABLES:
+            _TABLES[key] = self._build_table(engine, tp_size, ep_size)
+            self.num_built += 1
+        return _TABLES[key]
+
+    def _build_table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
+        from ds_capture.parallel.expert_parallel import moe_experts_modules
+        from ds_capture.parallel.meta_layout import build_layout_on_meta, tensor_partitions
+
+        family = self.target.family
+        model = build_layout_on_meta(self.target, dtype=TORCH_DTYPES[self.compute_dtype], tp_size=tp_size,
+                                     ep_size=ep_size, tp_grain_size=self.tp_grain_size,
+                                     attn_implementation=self.cfg.recipe_args.target_attn_implementation)
+        partitions = tensor_partitions(model) if tp_size > 1 else {}
+        expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
+        tensors = []
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            part = partitions.get(name)
+            if part is not None and 0 in part.sizes:
+                raise CaptureError(
+                    f"deepspeed tensor_parallel.tp_grain_size ({self.tp_grain_size}) leaves a rank an empty shard "
+                    f"of {name}: lower tp_grain_size (1 always splits evenly) or the tp_size.")
+            tensors.append(TensorEntry(
+                name=name, kind=self._kind(name, expert_prefixes), itemsize=tensor.element_size(),
+                shape=tuple(tensor.shape), is_expert=name.startswith(expert_prefixes), layer=self._layer(name),
+                tp_dim=part.dim if part else None, tp_sizes=part.sizes if part else (),
+                fsdp_sharded=engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0))
+        # The unsharded model's size: every TP split summed back, every expert block times ep_size.
+        total = sum(math.prod(sum(part.sizes) if part and d == part.dim else s for d, s in enumerate(p.shape))
+                    * (ep_size if name.startswith(expert_prefixes) else 1)
+                    for name, p in model.named_parameters() for part in [partitions.get(name)])
+        return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total,
+                      text_config=family.text_config(model.config),
+                      attn_implementation=str(model.config._attn_implementation))
+
+    def _kind(self, name: str, expert_prefixes: tuple[str, ...]) -> str:
+        family = self.target.family
+        if name.startswith(expert_prefixes):
+            return "routed experts"
+        if name.startswith((f"{family.embed_tokens}.", f"{family.lm_head}.")):
+            return "embeddings + lm_head"
+        parts = name[len(family.layers) + 1:].split(".") if name.startswith(family.layers + ".") else []
+        if len(parts) > 2 and parts[1] == family.attention:
+            return "attention"
+        if len(parts) > 2 and parts[1] == (family.moe_block or "mlp") and parts[2] != family.router:
+            return "dense/shared MLP"
+        return "other"  # norms, routers, hyper-connections, rotary and other buffers
+
+    def _layer(self, name: str) -> int | None:
+        prefix = self.target.family.layers + "."
+        if not name.startswith(prefix):
+            return None
+        return int(name[len(prefix):].split(".", 1)[0])
+
+    def _block_shapes(self, model: torch.nn.Module, tensors: list[TensorEntry], tp_size: int) -> mm.BlockShapes:
+        """The sizes the activation estimate needs, read off this rank's (tp rank 0's) projections."""
+        family = self.target.family
+        text = family.text_config(model.config)
+        outputs: dict[str, dict[int, int]] = {"attention": defaultdict(int), "dense/shared MLP": defaultdict(int)}
+        intermediate = 0
+        for entry in tensors:
+            if entry.kind in outputs and entry.name.endswith(".weight") and len(entry.shape) == 2:
+                outputs[entry.kind][entry.layer] += entry.shape[0]  # a projection's local output features
+            if entry.is_expert and entry.name.endswith("down_proj") and len(entry.shape) == 3:
+                intermediate = entry.shape[2]  # fused [E, H, I]
+        streams = int(getattr(text, family.residual_streams_key, 1) or 1) if family.residual_streams_key else 1
+        return mm.BlockShapes(
+            hidden_size=self.target.hidden_size, residual_streams=streams,
+            attention_outputs=max(outputs["attention"].values(), default=0),
+            attention_heads=self.target.num_attention_heads // tp_size,
+            head_dim=int(getattr(text, "head_dim", None) or self.target.hidden_size // self.target.num_attention_heads),
+            kv_heads=max(1, (self.target.num_key_value_heads or self.target.num_attention_heads) // tp_size),
+            mlp_outputs=max(outputs["dense/shared MLP"].values(), default=0),
+            experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if family.is_moe else 0,
+            expert_intermediate=intermediate, vocab_size=self.target.vocab_size)
+
+    # -- ranks ---------------------------------------------------------------------------------------------------
+    def ranks(self, layout: Layout, storage: mm.ExpertStorage) -> tuple[list[RankEstimate], mm.Term, list[mm.Term]]:
+        args = self.cfg.recipe_args
+        table = self.table(layout.engine if layout.world_size > 1 else "deepspeed",
+                           layout.tp_size, layout.ep_size)
+        c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
+        B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
+        family, text = self.target.family, table.text_config
+        stack, largest = mm.forward_activation_terms(
+            table.shapes, micro_batch_size=B, seq_length=S, compute_bytes=c, ep_size=layout.ep_size,
+            tp_size=layout.tp_size, fp32_row_parallel=self.compute_dtype != "fp32",
+            attn_implementation=table.attn_implementation,
+            keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
+            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
+            dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0)
+        activation = sum(t.bytes for t in stack) + largest.bytes
+        num_layers = self.target.num_hidden_layers
+        capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
+                                   num_held=sum(1 for i in self.layer_ids if i != num_layers - 1),
+                                   num_layer_ids=len(self.layer_ids), compute_bytes=c, cache_bytes=cb).bytes
+        micro_batch = mm.micro_batch_bytes(micro_batch_size=B, seq_length=S, hidden_size=H,
+                                           num_layer_ids=len(self.layer_ids), cache_bytes=cb)
+        # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B).
+        target_weights = 2 * self.target.vocab_size * H * 2
+        fsdp = layout.engine == "fsdp2" and layout.world_size > 1
+        gather = self._fsdp2_gather(table, storage) if fsdp else 0.0
+        by_role: dict[Any, dict[str, float]] = {}
+        estimates = []
+        for rank in range(layout.world_size):
+            tp_rank = rank % layout.tp_size
+            role = rank if fsdp else tp_rank
+            if role not in by_role:
+                by_role[role] = (self._fsdp2_params(table, storage, layout.world_size, rank) if fsdp
+                                 else self._tp_params(table, storage, tp_rank))
+            is_writer = tp_rank == 0
+            device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
+                                            buffer_bytes=self.cfg.capture.writer_buffer_mib << 20)
+            estimates.append(RankEstimate(
+                rank=rank, tp_rank=tp_rank, ep_rank=rank % layout.ep_size, dp_rank=rank // layout.tp_size,
+                is_writer=is_writer, param_bytes_by_kind=by_role[role], activation_bytes=activation,
+                capture_bytes=capture, writer_device_bytes=device.bytes, writer_host_bytes=host.bytes,
+                fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
+                host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
+        return estimates, largest, stack
+
+    @staticmethod
+    def _layer_experts_bytes(table: _Table) -> int:
+        """One MoE layer's local routed experts in the compute dtype (tp rank 0; every layer alike)."""
+        per_layer: dict[int | None, int] = defaultdict(int)
+        for entry in table.tensors:
+            if entry.is_expert:
+                per_layer[entry.layer] += entry.numel() * entry.itemsize
+        return max(per_layer.values(), default=0)
+
+    @staticmethod
+    def _tp_params(table: _Table, storage: mm.ExpertStorage, tp_rank: int) -> dict[str, float]:
+        kinds = dict.fromkeys(KINDS, 0.0)
+        for entry in table.tensors:
+            kinds[entry.kind] += mm.stored_bytes(entry.numel(tp_rank), entry.itemsize, is_routed_expert=entry.is_expert,
+                                                 storage=storage)
+        return kinds
+
+    @staticmethod
+    def _fsdp2_params(table: _Table, storage: mm.ExpertStorage, world_size: int, rank: int) -> dict[str, float]:
+        kinds = dict.fromkeys(KINDS, 0.0)
+        for entry in table.tensors:
+            kinds[entry.kind] += mm.stored_bytes(fsdp2_local_numel(entry, world_size, rank), entry.itemsize,
+                                                 is_routed_expert=entry.is_expert, storage=storage)
+        return kinds
+
+    @staticmethod
+    def _fsdp2_gather(table: _Table, storage: mm.ExpertStorage) -> float:
+        """FSDP2's unsharded copies during a forward: the root group (embeddings, final norm, lm_head) for the
+        whole forward, and two decoder layers (the current one and the next one's overlapped all-gather)."""
+        per_layer: dict[int | None, float] = defaultdict(float)
+        for entry in table.tensors:
+            if entry.fsdp_sharded:
+                per_layer[entry.layer] += mm.stored_bytes(entry.numel(), entry.itemsize,
+                                                          is_routed_expert=entry.is_expert, storage=storage)
+        root = per_layer.pop(None, 0.0)
+        return root + 2 * max(per_layer.values(), default=0.0)
+
+    # -- other layouts -------------------------------------------------------------------------------------------
+    def fitting_layouts(self, layout: Layout, storage: mm.ExpertStorage, budget: float,
+                        validate: Any, limit: int = 3, max_builds: int = 6) -> list[dict[str, Any]]:
+        """Layouts that fit: first a smaller micro-batch here, then larger ep (and other tp) on 1x, 2x, 4x, 8x the
+        world. At most ``max_builds`` new meta models are built (each takes about a second)."""
+        found: list[dict[str, Any]] = []
+        now = max(self.ranks(layout, storage)[0], key=lambda r: r.peak_bytes)
+        experts_now = now.param_bytes_by_kind["routed experts"]
+        for candidate in self._candidates(layout):
+            if len(found) >= limit:
+                break
+            # One per world, and none that only repeats a found layout's degrees on more ranks.
+            if any((f["world_size"], f["micro_batch_size"]) == (candidate.world_size, candidate.micro_batch_size)
+                   or (f["tp_size"], f["ep_size"], f["micro_batch_size"])
+                   == (candidate.tp_size, candidate.ep_size, candidate.micro_batch_size) for f in found):
+                continue
+            # TP never shards the routed experts: a candidate whose experts, reserve and capture buffers (linear in
+            # the micro-batch) already exceed the budget is skipped without building its model.
+            floor = (experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES
+                     + now.capture_bytes * candidate.micro_batch_size / layout.micro_batch_size)
+            if floor > budget:
+                continue
+            if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size)
+                    and self.num_built >= max_builds):
+                continue
+            try:
+                validate(candidate)
+                worst = max(self.ranks(candidate, storage)[0], key=lambda r: r.peak_bytes)
+            except CaptureError:
+                continue
+            if worst.peak_bytes <= budget:
+                found.append({"layout": candidate.describe(), "engine": candidate.engine,
+                              "world_size": candidate.world_size, "tp_size": candidate.tp_size,
+                              "ep_size": candidate.ep_size, "micro_batch_size": candidate.micro_batch_size,
+                              "peak_bytes": int(worst.peak_bytes)})
+        return found
+
+    def _candidates(self, layout: Layout) -> list[Layout]:
+        """A smaller micro-batch here; then, keeping the recipe's tp before trying others, every larger ep on
+        1x, 2x, 4x and 8x the world (at most 512 ranks)."""
+        family, target = self.target.family, self.target
+        out = [Layout(layout.engine, layout.world_size, layout.tp_size, layout.ep_size, b)
+               for b in _halvings(layout.micro_batch_size)]
+        worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
+        if layout.engine == "fsdp2":
+            return out + [Layout("fsdp2", w, 1, 1, layout.micro_batch_size) for w in worlds[1:]]
+        tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size] if family.supports_tp else [])
+        for tp in tps:
+            for world in (w for w in worlds if w % tp == 0):
+                eps = [1]
+                if family.is_moe and family.supports_ep and target.num_experts:
+                    eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
+                out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps)
+        return [c for c in out if c != layout]
+
+
+def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
+    """Elements of ``entry`` on ``rank`` under FSDP2: its dim-0 chunk if it is a sharded parameter, else all."""
+    from ds_capture.parallel.meta_layout import fsdp2_local_rows
+
+    if not entry.fsdp_sharded:
+        return entry.numel()
+    return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _halvings(n: int) -> list[int]:
+    out = []
+    while n > 1:
+        n //= 2
+        out.append(n)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def cache_estimate(cfg: Any, target: TargetInfo, layer_ids: list[int], count_dataset: bool) -> dict[str, Any]:
+    """Bytes per sample and in total (format v1 pads every row to S), and on disk if padding were not stored."""
+    from ds_capture.demo import resolve_special_path
+
+    args = cfg.recipe_args
+    H, k, cb = target.hidden_size, len(layer_ids), DTYPE_BYTES[args.cache_dtype]
+    per_sample = mm.cache_bytes_per_sample(seq_length=args.seq_length, hidden_size=H, num_layer_ids=k, cache_bytes=cb)
+    weights = mm.target_weights_bytes(vocab_size=target.vocab_size, hidden_size=H, cache_bytes=cb)
+    out: dict[str, Any] = {"bytes_per_sample": per_sample, "target_weights_bytes": weights, "num_samples": None,
+                           "total_bytes": None, "unpadded_total_bytes": None, "lengths": None}
+    data_path = args.train_data_path
+    if not count_dataset or (not data_path.startswith("demo:") and not Path(data_path).exists()):
+        out["note"] = f"dataset {data_path} not found here: totals need its row count"
+        return out
+    from ds_capture.data.tokenization import read_conversations
+
+    conversations = read_conversations(resolve_special_path(data_path), split=args.train_split,
+                                       shuffle_seed=args.shuffle_seed)
+    lengths, how = _sample_lengths(cfg, target, conversations)
+    num_samples = len(conversations)
+    mean_tokens = sum(lengths) / len(lengths) if lengths else 0.0
+    out.update(num_samples=num_samples, total_bytes=num_samples * per_sample + weights,
+               unpadded_total_bytes=int(mm.cache_bytes_unpadded([1], hidden_size=H, num_layer_ids=k,
+                                                               cache_bytes=cb) * mean_tokens * num_samples) + weights,
+               lengths={"how": how, "rows_measured": len(lengths), "mean_tokens": round(mean_tokens, 1)})
+    return out
+
+
+def _sample_lengths(cfg: Any, target: TargetInfo, conversations: list, limit: int = 1000) -> tuple[list[int], str]:
+    """Token counts (truncated to S) of up to ``limit`` evenly spaced rows: with the target's tokenizer when its
+    directory has one, else estimated as one token per 4 characters of content (+ 8 per message for the template)."""
+    args = cfg.recipe_args
+    step = max(1, len(conversations) // limit)
+    picked = conversations[::step][:limit]
+    if any((target.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        from ds_capture.data.tokenization import resolve_chat_template, tokenize_conversations
+
+        tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
+        rows = tokenize_conversations(picked, tokenizer, chat_template=resolve_chat_template(tokenizer,
+                                      args.chat_template), seq_length=args.seq_length,
+                                      mask_reasoning_content=args.mask_reasoning_content,
+                                      mask_generation_prompt=args.mask_generation_prompt)
+        return [int(n) for n in rows.num_tokens], "tokenized with the target's tokenizer"
+    lengths = []
+    for messages in picked:
+        chars = sum(len(str(m.get("content") or "")) + len(str(m.get("reasoning_content") or "")) for m in messages)
+        lengths.append(min(args.seq_length, chars // 4 + 8 * len(messages)))
+    return lengths, "estimated at 4 characters per token (no tokenizer in the target directory)"

@@ -1,0 +1,276 @@
+"""The memory model behind ``ds-capture plan``: bytes per stored parameter, forward activations, capture buffers,
+the writer's device and host memory, and the cache's size. Pure arithmetic, no torch, no model.
+
+In:  numbers read off the sharded meta model (:mod:`ds_capture.sizing.command` extracts them into :class:`BlockShapes`),
+     the run's batch shape and dtypes, and the target's ``quantization_config``.
+Out: byte counts, each named, so the report can say which term dominates.
+
+Everything here is an **estimate** of what the PyTorch caching allocator holds at the forward's peak; the terms
+and their assumptions are written next to each function. Parameters are not estimated: they are counted from
+the sharded meta model by :mod:`ds_capture.sizing.command`.
+
+    T = B x S tokens of one micro-batch, H = hidden size, c = compute dtype bytes, K = experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+GIB = 1 << 30
+
+RUNTIME_RESERVE_BYTES = 3 * GIB
+"""A flat allowance per GPU for the CUDA context, NCCL communicators, cuBLAS workspaces and allocator slack
+(not measured here: no GPU was available; typical figures are 0.5-1 GiB of context plus 1-2 GiB of NCCL)."""
+
+DEFAULT_GPU_MEMORY_GIB = 79.6
+"""The budget when no CUDA device is visible: an 80 GB H100 / A100 (torch reports 85.5e9 bytes, 79.6 GiB)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameters: bytes per element as stored on the device.
+
+@dataclass(frozen=True)
+class ExpertStorage:
+    """How the routed experts are held on the device: ``format`` at ``bytes_per_param`` (scales included)."""
+
+    format: str
+    """``dequantized`` (to the compute dtype), or the checkpoint's own: ``fp8``, ``fp4``, ``int4``."""
+    bytes_per_param: float | None = None
+    """None for ``dequantized`` (the parameter's own dtype size)."""
+    detail: str = ""
+
+
+COMPUTE_STORAGE = ExpertStorage(format="dequantized", detail="experts dequantized to the compute dtype")
+
+
+def checkpoint_expert_storage(quantization: Mapping[str, Any] | None) -> ExpertStorage | None:
+    """The routed experts' resident size when they stay in the checkpoint's quantized format
+    (``capture.expert_storage: checkpoint``), from ``config.json``'s ``quantization_config``; None if unquantized.
+
+    - ``fp8`` (DeepSeek-V3, Kimi-K2): 1 byte per parameter + one fp32 scale per ``weight_block_size`` block
+      (128 x 128: 4 / 16384 bytes per parameter);
+    - ``expert_dtype: fp4`` inside an fp8 config (DeepSeek-V4): 0.5 byte + one 1-byte (ue8m0) scale per 32;
+      ``mxfp4`` likewise;
+    - ``compressed-tensors`` with 4-bit weights (Kimi-K2 INT4 releases): 0.5 byte + one bf16 scale per
+      ``group_size`` (32 when absent).
+    """
+    if not quantization:
+        return None
+    method = str(quantization.get("quant_method", "")).lower()
+    expert_dtype = str(quantization.get("expert_dtype") or "").lower()
+    if expert_dtype in ("fp4", "mxfp4", "nvfp4") or method == "mxfp4":
+        return ExpertStorage(format="fp4", bytes_per_param=0.5 + 1 / 32, detail="fp4 + one 1-byte scale per 32")
+    if method == "fp8":
+        block = quantization.get("weight_block_size") or [128, 128]
+        per_block = block[0] * block[1]
+        return ExpertStorage(format="fp8", bytes_per_param=1 + 4 / per_block,
+                             detail=f"fp8 + one fp32 scale per {block[0]}x{block[1]} block")
+    if method == "compressed-tensors":
+        weights = _compressed_tensors_weights(quantization)
+        bits = int(weights.get("num_bits", 8))
+        group = int(weights.get("group_size") or 32)
+        if bits == 4:
+            return ExpertStorage(format="int4", bytes_per_param=0.5 + 2 / group,
+                                 detail=f"int4 + one bf16 scale per {group}")
+        if bits == 8:
+            return ExpertStorage(format="int8", bytes_per_param=1 + 2 / group,
+                                 detail=f"int8 + one bf16 scale per {group}")
+    return ExpertStorage(format=f"unknown ({method or 'no quant_method'})", bytes_per_param=None,
+                         detail="no size rule for this quantization; sized as the compute dtype")
+
+
+def _compressed_tensors_weights(quantization: Mapping[str, Any]) -> Mapping[str, Any]:
+    for group in (quantization.get("config_groups") or {}).values():
+        if isinstance(group, Mapping) and isinstance(group.get("weights"), Mapping):
+            return group["weights"]
+    return {}
+
+
+def stored_bytes(numel: int, itemsize: int, *, is_routed_expert: bool, storage: ExpertStorage) -> float:
+    """Device bytes of ``numel`` elements of one tensor: its own dtype, or the experts' quantized storage."""
+    if is_routed_expert and storage.bytes_per_param is not None:
+        return numel * storage.bytes_per_param
+    return numel * itemsize
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward activations (estimate).
+
+@dataclass(frozen=True)
+class BlockShapes:
+    """What the activation estimate needs, read off one rank's sharded meta model."""
+
+    hidden_size: int
+    residual_streams: int
+    """Copies of the residual stream per token (DeepSeek-V4's hyper-connections: hc_mult; else 1)."""
+    attention_outputs: int
+    """Largest, over decoder layers, sum of the output features of the attention block's projections on this rank."""
+    attention_heads: int
+    """Attention heads on this rank (for the eager implementation's score matrix)."""
+    mlp_outputs: int
+    """Largest sum of the output features of a dense / shared MLP's projections on this rank."""
+    head_dim: int
+    """Per-head width of the attention's keys (for the eager implementation's repeated keys / values)."""
+    kv_heads: int
+    """Key/value heads on this rank (fewer than ``attention_heads``: eager repeats them)."""
+    experts_per_token: int
+    expert_intermediate: int
+    """I of one routed expert (its down_proj input); 0 for a dense target."""
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    note: str = ""
+
+
+def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
+                             ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
+                             keys_per_query: float = 1.0, indexer_bytes: int = 0,
+                             dequantized_experts_bytes: int = 0) -> tuple[list[Term], Term]:
+    """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
+
+    Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
+    transients are not additive: one block runs at a time, so the peak is the stack terms + the largest block.
+    ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
+    the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
+    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.target.families`);
+    ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
+    experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
+    Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
+    [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
+    balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
+    checks the estimate against a measured forward (at least the peak, at most 3x it).
+    """
+    B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
+    T = B * S
+    stack = [
+        Term("residual stream", 3 * T * H * shapes.residual_streams * c,
+             f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),
+        Term("attention mask", B * S * S, "the model's [B, 1, S, S] boolean causal mask (sliding windows, eager "
+                                        "attention; sdpa without a window needs none: no padding mask is passed)"),
+    ]
+    attention = 2 * T * shapes.attention_outputs * c
+    note = "2 x every attention projection's output (q, kv, o, indexer...) on this rank"
+    if fp32_row_parallel and tp_size > 1:
+        attention += T * H * 4
+        note += " + the fp32 row-parallel o_proj output"
+    scores = 0
+    if attn_implementation == "eager":
+        keys = int(S * keys_per_query)
+        scores = eager_scores_bytes(B, shapes.attention_heads, S, keys, c)
+        if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
+            scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
+        note += f" + eager attention's [B, {shapes.attention_heads}, S, {keys}] scores (3 live copies)"
+    if indexer_bytes:
+        note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
+    attention += max(scores, indexer_bytes)
+    blocks = [Term("attention block", attention, note),
+              Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
+                   "2 x every MLP projection's output on this rank")]
+    if shapes.experts_per_token:
+        P, I = T * shapes.experts_per_token, shapes.expert_intermediate
+        expert_math = P * (3 * H + 3 * I) * c  # gathered rows, gate_up [2I], act [I], out [H], weighted [H]
+        combine = P * H * 4  # routing weights are fp32: the weighted [T, K, H] product is fp32
+        if ep_size > 1:
+            dispatch = 4 * P * H * c  # send, receive, return trip, pairs back in order
+            routed = dispatch + max(expert_math, combine)
+            note = (f"expert-parallel dispatch 4 x [T*K, H] + expert math on T*K = {P:,} pairs "
+                    f"(balanced routing)")
+        else:
+            routed = expert_math + combine
+            note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
+        if dequantized_experts_bytes:
+            note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
+        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
+                           + dequantized_experts_bytes, note + " + the shared experts"))
+    return stack, max(blocks, key=lambda term: term.bytes)
+
+
+def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_bytes: int) -> int:
+    """Eager attention's score-sized tensors alive at once: scores, masked logits, softmax (fp32 or its cast)."""
+    return batch * heads * queries * keys * (2 * compute_bytes + 4)
+
+
+def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
+    """GLM-5's DSA indexer: ``matmul([B, S, Hi, D], [B, 1, D, S])`` broadcasts, so torch materialises the keys
+    once per query, ``[B, S, D, S]`` fp32, next to the ``[B, S, Hi, S]`` fp32 scores; scaling and relu then hold
+    two score tensors. Peak: ``B * S * S * 4 * max(D + Hi, 2 Hi)``."""
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * seq_length * 4 * max(dim + heads, 2 * heads)
+
+
+def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
+    """DeepSeek-V4's CSA indexer: the same broadcast matmul over the ``T = S / rate`` compressed keys
+    (``[B, S, D, T]`` + ``[B, S, Hi, T]`` fp32), then relu and scaling hold three score tensors."""
+    rate = compressed_rate(text_config, "compressed_sparse_attention")
+    if not rate:
+        return 0
+    heads, dim = text_config.index_n_heads, text_config.index_head_dim
+    return batch * seq_length * (seq_length // rate) * 4 * max(dim + heads, 3 * heads)
+
+
+def compressed_keys_per_query(text_config) -> float:
+    """DeepSeek-V4: every query attends to its S keys plus the compressed entries (S / rate) appended to them."""
+    rates = [compressed_rate(text_config, kind) for kind in set(text_config.layer_types or ())]
+    return 1 + max((1 / rate for rate in rates if rate), default=0.0)
+
+
+def compressed_rate(text_config, layer_type: str) -> int:
+    if layer_type not in (text_config.layer_types or ()):
+        return 0
+    return int((text_config.compress_rates or {}).get(layer_type, 0))
+
+
+def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_held: int, num_layer_ids: int,
+                  compute_bytes: int, cache_bytes: int) -> Term:
+    """The current forward's captures on the device: the hooked layers' outputs held until the forward ends
+    (``num_held`` of them, in the compute dtype) and the collected ``[B, S, H*k]`` + ``[B, S, H]`` in the cache dtype."""
+    T = micro_batch_size * seq_length
+    held = num_held * T * hidden_size * compute_bytes
+    collected = (num_layer_ids + 1) * T * hidden_size * cache_bytes
+    return Term("capture buffers", held + collected,
+                f"{num_held} hooked layer outputs held during the forward + the collected states")
+
+
+def micro_batch_bytes(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_layer_ids: int,
+                      cache_bytes: int) -> int:
+    """One micro-batch of captured rows as the writer holds it: states in the cache dtype + int64 ids and mask."""
+    per_row = seq_length * (hidden_size * (num_layer_ids + 1) * cache_bytes + 2 * 8)
+    return micro_batch_size * per_row
+
+
+def writer_memory(micro_batch: int, *, is_writer: bool, buffer_bytes: int) -> tuple[Term, Term]:
+    """(device, host) memory of one rank's shard writer.
+
+    The writer (``capture.writer_buffer_mib``): captured states leave the device right after each forward
+    (nothing waiting to be written holds device memory beyond the current forward's captures, counted in
+    :func:`capture_terms`); the host holds the micro-batches waiting to be written in buffers (pinned on CUDA)
+    bounded by ``buffer_bytes``, at least one micro-batch whatever the setting, and never a whole shard. Only the
+    tp-rank-0 of each DP group writes. Adjust here if the writer's bounds change.
+    """
+    if not is_writer:
+        return Term("writer (device)", 0), Term("writer (host)", 0, "not a writing rank")
+    return (Term("writer (device)", 0, "states leave the device after each forward"),
+            Term("writer (host)", max(buffer_bytes, micro_batch), "capture.writer_buffer_mib, at least one micro-batch"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache.
+
+def cache_bytes_per_sample(*, seq_length: int, hidden_size: int, num_layer_ids: int, cache_bytes: int) -> int:
+    """One row of a shard as format v1 stores it: padded to S (ids, loss_mask int64; both state tensors)."""
+    return seq_length * (2 * 8 + hidden_size * (num_layer_ids + 1) * cache_bytes)
+
+
+def cache_bytes_unpadded(num_tokens: list[int], *, hidden_size: int, num_layer_ids: int, cache_bytes: int) -> int:
+    """The rows if padding were not stored: every content token's ids, mask and states, nothing past it."""
+    return sum(num_tokens) * (2 * 8 + hidden_size * (num_layer_ids + 1) * cache_bytes)
+
+
+def target_weights_bytes(*, vocab_size: int, hidden_size: int, cache_bytes: int) -> int:
+    """``target_weights.safetensors``: embed_tokens and lm_head, full, in the cache dtype."""
+    return 2 * vocab_size * hidden_size * cache_bytes

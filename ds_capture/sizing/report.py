@@ -1,0 +1,157 @@
+"""Text output of ``ds-capture plan``: a :class:`~ds_capture.sizing.command.PlanReport` -> the lines a user reads.
+
+Ranks with identical figures are listed once, with their rank list (``0,8,16,...`` or ``0-63``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.count import KINDS
+
+_SHORT = {"routed experts": "experts", "attention": "attn", "dense/shared MLP": "mlp",
+          "embeddings + lm_head": "embed+head", "other": "other"}
+
+
+def format_report(report: Any) -> str:
+    t, layout = report.target, report.layout
+    lines = [
+        f"ds-capture plan {report.source}: {t.model_type}, {report.total_params / 1e9:,.1f}B parameters, "
+        f"{t.num_hidden_layers} layers, hidden {t.hidden_size}"
+        + (f", {t.num_experts} routed experts" if t.num_experts else ""),
+        f"  layout: {layout.describe()} x seq_length {report.seq_length}; compute {report.compute_dtype}, "
+        f"cache {report.cache_dtype}; experts stored as {report.expert_storage.format} "
+        f"({report.expert_storage.detail}); layer ids {report.layer_ids}",
+        f"  budget: {_gib(report.budget_bytes)} per GPU ({report.budget_source})",
+        "",
+        "  per rank, GiB (parameters counted from the sharded meta model; activations are an estimate):",
+        "  " + f"{'ranks':>24} " + " ".join(f"{h:>10}" for h in [*(_SHORT[k] for k in KINDS), "params", "activ.", "capture",
+                                              "reserve", "fsdp2 ag", "peak", "host", "fits"]),
+    ]
+    for ranks, estimate in _groups(report.ranks):
+        figures = [*(estimate.param_bytes_by_kind[k] for k in KINDS), estimate.param_bytes, estimate.activation_bytes,
+                   estimate.capture_bytes, estimate.reserve_bytes, estimate.fsdp2_gather_bytes, estimate.peak_bytes,
+                   estimate.host_bytes]
+        fits = "yes" if estimate.peak_bytes <= report.budget_bytes else "NO"
+        lines.append("  " + f"{_ranks(ranks):>24} " + " ".join(f"{v / mm.GIB:>10.2f}" for v in figures)
+                     + f" {fits:>10}")
+    largest = report.activation_largest
+    lines += [
+        "",
+        f"  activation peak (estimate): {_gib(report.worst.activation_bytes)}; largest term: {largest.name} "
+        f"{_gib(largest.bytes)} ({largest.note}); through the stack: "
+        + ", ".join(f"{term.name} {_gib(term.bytes)}" for term in report.activation_terms),
+        f"  writer: 0 on the device after each forward; host {_gib(max(r.writer_host_bytes for r in report.ranks))} "
+        "per writing rank (capture.writer_buffer_mib, at least one micro-batch); rank 0 also reads the embedding and "
+        "lm_head on the host",
+        "",
+        f"  {'FITS' if report.fits else 'DOES NOT FIT'}: {report.reason()}",
+    ]
+    for option in report.storage_alternatives:
+        lines.append(f"  with capture.expert_storage: {option['expert_storage']} ({option['detail']}): params "
+                     f"{_gib(option['param_bytes'])}, peak {_gib(option['peak_bytes'])} per rank: "
+                     f"{'fits' if option['fits'] else 'does NOT fit'}")
+    for option in report.alternatives:
+        lines.append(f"  would fit: {option['layout']} (peak {_gib(option['peak_bytes'])})")
+    cache = report.cache
+    line = f"  cache: {_mib(cache['bytes_per_sample'])} per sample (padded to S, as format v1 stores rows)"
+    if cache["total_bytes"] is not None:
+        line += (f"; {cache['num_samples']:,} samples: {_gib(cache['total_bytes'])} with target weights; "
+                 f"without stored padding ~{_gib(cache['unpadded_total_bytes'])} (mean "
+                 f"{cache['lengths']['mean_tokens']} tokens per row, {cache['lengths']['how']})")
+    else:
+        line += f"; {cache['note']}"
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _groups(ranks: list) -> list[tuple[list[int], Any]]:
+    """Ranks whose figures are identical, grouped (first-seen order)."""
+    groups: dict[tuple, tuple[list[int], Any]] = {}
+    for estimate in ranks:
+        key = (tuple(round(v) for v in estimate.param_bytes_by_kind.values()), round(estimate.peak_bytes),
+               round(estimate.host_bytes))
+        groups.setdefault(key, ([], estimate))[0].append(estimate.rank)
+    return list(groups.values())
+
+
+def _ranks(ranks: list[int], shown: int = 3) -> str:
+    """``0``, ``1-15``, ``1-3,5-7``; after ``shown`` runs, ``... (N ranks)``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:shown])
+    return text + (f",... ({len(ranks)} ranks)" if len(runs) > shown else "")
+
+
+def _gib(value: float) -> str:
+    if abs(value) < mm.GIB:
+        return f"{value / (1 << 20):,.1f} MiB"
+    return f"{value / mm.GIB:,.1f} GiB"
+
+
+def _mib(value: float) -> str:
+    return f"{value / (1 << 20):,.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recipe headers: the "# ds-capture plan says:" block of each real-target recipe in configs/ is plan's output.
+
+BLOCK_START = "# ds-capture plan says: (tests/unit/test_plan_recipes.py checks this block; python tools/plan_headers.py rewrites it)"
+BLOCK_END = "# (end of ds-capture plan's block)"
+COMMAND_PREFIX = "#   $ "
+
+
+def header_lines(report: Any) -> list[str]:
+    """The figures of one plan run, as recipe-header comment lines (after its ``$ ds-capture plan ...`` line)."""
+    worst, t = report.worst, report.target
+    kinds = ", ".join(f"{_SHORT[k]} {worst.param_bytes_by_kind[k] / mm.GIB:.1f}" for k in KINDS)
+    name, value = report.largest_consumer()
+    lines = [
+        f"#     {t.model_type} {report.total_params / 1e9:.1f}B, {report.layout.describe()} x {report.seq_length}, "
+        f"compute {report.compute_dtype}, experts as {report.expert_storage.format}",
+        f"#     per rank (GiB): params {worst.param_bytes / mm.GIB:.1f} ({kinds})",
+        f"#       + activations ~{worst.activation_bytes / mm.GIB:.1f} (estimate; largest: {report.activation_largest.name})"
+        f" + capture {worst.capture_bytes / mm.GIB:.1f} + reserve {worst.reserve_bytes / mm.GIB:.1f}"
+        + (f" + FSDP2 all-gathers {worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else ""),
+        f"#       = {worst.peak_bytes / mm.GIB:.1f} of {report.budget_bytes / mm.GIB:.1f}: "
+        f"{'fits' if report.fits else 'does NOT fit'}; largest consumer: {name} {value / mm.GIB:.1f}",
+        f"#     writer host memory {max(r.writer_host_bytes for r in report.ranks) / mm.GIB:.1f} GiB per writing rank; "
+        f"cache {report.cache['bytes_per_sample'] / (1 << 20):.1f} MiB per sample",
+    ]
+    for option in report.storage_alternatives:
+        lines.append(f"#     with capture.expert_storage: {option['expert_storage']} ({option['format']}): peak "
+                     f"{option['peak_bytes'] / mm.GIB:.1f} GiB: {'fits' if option['fits'] else 'does NOT fit'}")
+    for option in report.alternatives[:2]:
+        lines.append(f"#     would fit: {option['layout']} ({option['peak_bytes'] / mm.GIB:.1f} GiB)")
+    return lines
+
+
+def plan_from_command(command: str) -> Any:
+    """Run the ``ds-capture plan ...`` command line of a header (relative paths from the repository root)."""
+    import shlex
+
+    from ds_capture.cli import build_parser
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    return plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
+                        gpu_memory_gib=args.gpu_memory_gib)
+
+
+def regenerate_header(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """``text`` (a recipe) with its plan block rewritten from its own commands; also (command, report) pairs."""
+    lines = text.split("\n")
+    start, end = lines.index(BLOCK_START), lines.index(BLOCK_END)
+    commands = [line[len(COMMAND_PREFIX):] for line in lines[start + 1:end] if line.startswith(COMMAND_PREFIX)]
+    block, runs = [BLOCK_START], []
+    for command in commands:
+        report = plan_from_command(command)
+        runs.append((command, report))
+        block += [COMMAND_PREFIX + command, *header_lines(report)]
+    return "\n".join(lines[:start] + block + lines[end:]), runs

@@ -1,0 +1,1 @@
+"""The target stage: model families (the registry), checkpoint inputs, quantized schemes, loading."""
