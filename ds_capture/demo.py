@@ -27,7 +27,6 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.families import FAMILIES
 
 DEMO_TARGET = "demo:qwen3_moe_tiny"
 DEMO_DATA = "demo:conversations"
@@ -227,7 +226,10 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 # Families whose release is saved by another class than the one their registry entry builds.
-_RELEASE_CLASS = {"llama4": "AutoModelForImageTextToText"}
+# The transformers auto class each release is saved with, where it is not AutoModelForCausalLM: the
+# vision-language releases, and Llama 4's wrapper (its family builds the text model). The demo sits below the
+# family registry, so it keeps this table itself; tests/unit/test_demo.py checks it against the registry.
+RELEASE_CLASSES = {name: "AutoModelForImageTextToText" for name in ("kimi_k25", "qwen3_5_moe", "glm5_next", "llama4")}
 
 # The default demo target: ~8.5 MB in fp32.
 DEMO_MODEL_TYPE = "qwen3_moe"
@@ -334,7 +336,7 @@ def build_tiny_target(
     config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **special_ids, **config_overrides})
     torch.manual_seed(seed)
     # The release's class: Kimi-K2.5's vision-language class; Llama 4's wrapper (its family builds the text model).
-    auto_class = getattr(transformers, _RELEASE_CLASS.get(model_type, FAMILIES[model_type].auto_class))
+    auto_class = getattr(transformers, RELEASE_CLASSES.get(model_type, "AutoModelForCausalLM"))
     model = auto_class.from_config(config, dtype=torch.float32).eval()
     if dtype != torch.float32:
         model = model.to(dtype)  # (a cast to fp32 would drop the imaginary part of Llama 4's complex rotary buffer)

@@ -246,3 +246,15 @@ def test_ensure_demo_target_builds_once_across_concurrent_callers(monkeypatch, t
     # A target built from other inputs (stale fingerprint) is rebuilt on the next call.
     (target / "ds_capture_demo.json").write_text("{}")
     assert demo.ensure_demo_target() == target and len(builds) == 2
+
+
+def test_release_classes_agree_with_the_family_registry():
+    """The demo builds each tiny target with the auto class its release is saved with; it keeps that table itself
+    (it sits below the registry), so the two must not drift."""
+    from ds_capture.target.families import FAMILIES
+
+    for model_type in demo.TINY_CONFIGS:
+        expected = demo.RELEASE_CLASSES.get(model_type, "AutoModelForCausalLM")
+        family = FAMILIES[model_type]
+        assert family.auto_class == expected or model_type == "llama4", model_type
+    assert FAMILIES["llama4"].auto_class == "AutoModelForCausalLM"  # the registry builds Llama 4's text model
