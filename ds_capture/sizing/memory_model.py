@@ -195,36 +195,6 @@ def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_
     return batch * heads * queries * keys * (2 * compute_bytes + 4)
 
 
-def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """GLM-5's DSA indexer: ``matmul([B, S, Hi, D], [B, 1, D, S])`` broadcasts, so torch materialises the keys
-    once per query, ``[B, S, D, S]`` fp32, next to the ``[B, S, Hi, S]`` fp32 scores; scaling and relu then hold
-    two score tensors. Peak: ``B * S * S * 4 * max(D + Hi, 2 Hi)``."""
-    heads, dim = text_config.index_n_heads, text_config.index_head_dim
-    return batch * seq_length * seq_length * 4 * max(dim + heads, 2 * heads)
-
-
-def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """DeepSeek-V4's CSA indexer: the same broadcast matmul over the ``T = S / rate`` compressed keys
-    (``[B, S, D, T]`` + ``[B, S, Hi, T]`` fp32), then relu and scaling hold three score tensors."""
-    rate = compressed_rate(text_config, "compressed_sparse_attention")
-    if not rate:
-        return 0
-    heads, dim = text_config.index_n_heads, text_config.index_head_dim
-    return batch * seq_length * (seq_length // rate) * 4 * max(dim + heads, 3 * heads)
-
-
-def compressed_keys_per_query(text_config) -> float:
-    """DeepSeek-V4: every query attends to its S keys plus the compressed entries (S / rate) appended to them."""
-    rates = [compressed_rate(text_config, kind) for kind in set(text_config.layer_types or ())]
-    return 1 + max((1 / rate for rate in rates if rate), default=0.0)
-
-
-def compressed_rate(text_config, layer_type: str) -> int:
-    if layer_type not in (text_config.layer_types or ()):
-        return 0
-    return int((text_config.compress_rates or {}).get(layer_type, 0))
-
-
 def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_held: int, num_layer_ids: int,
                   compute_bytes: int, cache_bytes: int) -> Term:
     """The current forward's captures on the device: the hooked layers' outputs held until the forward ends

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ds_capture.errors import CaptureError
-from ds_capture.sizing import memory_model
+from ds_capture.target import attention_sizes
 
 
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
@@ -230,8 +230,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             model_type="deepseek_v4", moe_block="mlp", num_experts_key="n_routed_experts",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", reduce_layer_output=_mean_over_hyper_connections,
-            residual_streams_key="hc_mult", keys_per_query=memory_model.compressed_keys_per_query,
-            indexer_scores=memory_model.csa_indexer_scores,
+            residual_streams_key="hc_mult", keys_per_query=attention_sizes.compressed_keys_per_query,
+            indexer_scores=attention_sizes.csa_indexer_scores,
             caveat=_DSA_TIES.format(two="2.8", sixteen="1e-5").replace("the DSA indexer", "the compressed-attention "
                                                                         "indexer (as DSA's)"),
             tp_plan=_V4_TP_PLAN, tp_replicates_kv_heads=True,
@@ -240,7 +240,7 @@ FAMILIES: dict[str, Family] = {
         # (self_attn.indexer.wk), so TP is our own head-parallel MLA plan, the indexer replicated.
         Family(
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
-            indexer_scores=memory_model.dsa_indexer_scores,
+            indexer_scores=attention_sizes.dsa_indexer_scores,
             caveat=_DSA_TIES.format(two="10.3", sixteen="2e-6"),
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
