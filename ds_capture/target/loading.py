@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.expert_parallel import ExpertParallelExperts
 from ds_capture.target import quant
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.quant import QuantTensor
@@ -177,11 +176,8 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
             owned[module_name] = module.owned  # experts kept quantized (resident_experts): the EP rank's experts
         for leaf, cut in getattr(module, "owned_slices", {}).items():  # our own TP plan's linears
             owned[prefix + leaf] = cut
-        if isinstance(module, ExpertParallelExperts):
-            for leaf, param in module.named_parameters(recurse=False):
-                if param.dim() and param.shape[0] == module.num_local_experts:
-                    owned[prefix + leaf] = OwnedSlice(dim=0, start=module.expert_start,
-                                                      length=module.num_local_experts, experts=True)
+        for leaf, cut in getattr(module, "expert_slices", {}).items():  # expert parallelism: the rank's experts
+            owned[prefix + leaf] = cut
     return owned
 
 
