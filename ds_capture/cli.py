@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ds_capture import __version__
 from ds_capture.errors import CaptureError
@@ -149,7 +150,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ds_capture.cache.dspark.reader import verify_cache
+    from ds_capture.cache.registry import verify_cache
 
     report = verify_cache(args.cache_dir, checksums=args.checksums)
     if args.json:
@@ -164,7 +165,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ds_capture.cache.dspark.reader import format_inspect, inspect_cache
+    from ds_capture.cache.registry import format_inspect, inspect_cache
 
     info = inspect_cache(args.cache_dir)
     print(json.dumps(info, indent=2, sort_keys=True, default=str) if args.json else format_inspect(info))
@@ -172,7 +173,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from ds_capture.cache.dspark.compare import compare_caches
+    from ds_capture.cache.registry import compare_caches
 
     report = compare_caches(args.cache_a, args.cache_b, atol=args.atol, rtol=args.rtol)
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.format())
@@ -180,3 +181,34 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"run": _cmd_run, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}
+
+
+# Recipe headers: the "ds-capture plan says:" block of a recipe in configs/ lists the plan command lines it was
+# made from; these rerun them (tests/unit/test_plan_recipes.py, tools/plan_headers.py).
+
+
+def plan_from_command(command: str) -> Any:
+    """Run the ``ds-capture plan ...`` command line of a header (relative paths from the repository root)."""
+    import shlex
+
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    return plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
+                        gpu_memory_gib=args.gpu_memory_gib)
+
+
+def regenerate_header(text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """``text`` (a recipe) with its plan block rewritten from its own commands; also (command, report) pairs."""
+    from ds_capture.sizing.report import BLOCK_END, BLOCK_START, COMMAND_PREFIX, header_lines
+
+    lines = text.split("\n")
+    start, end = lines.index(BLOCK_START), lines.index(BLOCK_END)
+    commands = [line[len(COMMAND_PREFIX):] for line in lines[start + 1:end] if line.startswith(COMMAND_PREFIX)]
+    block, runs = [BLOCK_START], []
+    for command in commands:
+        report = plan_from_command(command)
+        runs.append((command, report))
+        block += [COMMAND_PREFIX + command, *header_lines(report)]
+    return "\n".join(lines[:start] + block + lines[end:]), runs

@@ -15,7 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_capture.sizing.report import BLOCK_START, regenerate_header  # noqa: E402
+from ds_capture.cli import regenerate_header  # noqa: E402
+from ds_capture.sizing.report import BLOCK_START  # noqa: E402
 
 
 def main() -> None:

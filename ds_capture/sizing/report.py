@@ -129,29 +129,3 @@ def header_lines(report: Any) -> list[str]:
     for option in report.alternatives[:2]:
         lines.append(f"#     would fit: {option['layout']} ({option['peak_bytes'] / mm.GIB:.1f} GiB)")
     return lines
-
-
-def plan_from_command(command: str) -> Any:
-    """Run the ``ds-capture plan ...`` command line of a header (relative paths from the repository root)."""
-    import shlex
-
-    from ds_capture.cli import build_parser
-    from ds_capture.recipe.config import load_config
-    from ds_capture.sizing.command import plan_capture
-
-    args = build_parser().parse_args(shlex.split(command)[1:])
-    return plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
-                        gpu_memory_gib=args.gpu_memory_gib)
-
-
-def regenerate_header(text: str) -> tuple[str, list[tuple[str, Any]]]:
-    """``text`` (a recipe) with its plan block rewritten from its own commands; also (command, report) pairs."""
-    lines = text.split("\n")
-    start, end = lines.index(BLOCK_START), lines.index(BLOCK_END)
-    commands = [line[len(COMMAND_PREFIX):] for line in lines[start + 1:end] if line.startswith(COMMAND_PREFIX)]
-    block, runs = [BLOCK_START], []
-    for command in commands:
-        report = plan_from_command(command)
-        runs.append((command, report))
-        block += [COMMAND_PREFIX + command, *header_lines(report)]
-    return "\n".join(lines[:start] + block + lines[end:]), runs

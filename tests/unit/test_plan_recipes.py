@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ds_capture.cli import regenerate_header
 from ds_capture.recipe.config import load_config
-from ds_capture.sizing.report import BLOCK_START, regenerate_header
+from ds_capture.sizing.report import BLOCK_START
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_GIB = 79.6  # an 80 GB H100 / A100 as torch reports it
