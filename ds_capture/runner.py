@@ -36,7 +36,6 @@ from ds_capture.data.tokenization import (
     resolve_chat_template,
     tokenize_conversations,
 )
-from ds_capture.demo import resolve_special_path
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.dist import (
     agree_on_error,
@@ -106,7 +105,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     """Run one capture described by ``cfg``; every rank of the job calls this."""
     args = cfg.recipe_args
     env = discover_env()
-    target = read_target_info(Path(resolve_special_path(args.target_model_name_or_path)))
+    target = read_target_info(args.target_path)
     target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
     if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
         _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
@@ -287,7 +286,7 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
     check_checkpoint_files(target)
     tokenizer = load_tokenizer(target, trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
-    data_path = Path(resolve_special_path(args.train_data_path))
+    data_path = args.train_data
     dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
     manifest = kind.build_manifest(cfg, target, layer_ids, tokenizer=tokenizer, chat_template=template,
                                    num_samples=len(dataset), plan=plan)

@@ -14,6 +14,7 @@ those facts and also run before loading.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import types
@@ -127,6 +128,22 @@ class RecipeArgs:
     aux_layer_ids: tuple[int, ...] | None = None
     """EAGLE-3 only (``--aux-layer-ids``): 3 distinct decoder layers (pre-norm outputs), in concatenation
     order. Default: NeMo's ``[1, L//2 - 1, L - 4]``."""
+
+    @functools.cached_property
+    def target_path(self) -> Path:
+        """``target_model_name_or_path`` as a directory: a ``demo:`` name is resolved here (the demo target is
+        built on first use), and nothing after the recipe sees the word. The manifest records the value as
+        configured."""
+        from ds_capture.demo import resolve_special_path
+
+        return Path(resolve_special_path(self.target_model_name_or_path))
+
+    @functools.cached_property
+    def train_data(self) -> Path:
+        """``train_data_path`` as a path, a ``demo:`` name resolved (the manifest records it as configured)."""
+        from ds_capture.demo import resolve_special_path
+
+        return Path(resolve_special_path(self.train_data_path))
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:

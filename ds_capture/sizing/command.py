@@ -123,11 +123,10 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     ``compute_dtype`` None follows ``capture.compute_dtype``, sizing a GPU run (``auto`` = bf16).
     ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
     """
-    from ds_capture.demo import resolve_special_path
     from ds_capture.parallel.deepspeed_engine import _tp_grain_size
 
     args = cfg.recipe_args
-    target = _read_target(Path(resolve_special_path(args.target_model_name_or_path)), args.trust_remote_code)
+    target = _read_target(args.target_path, args.trust_remote_code)
     layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
                                   source=cfg.source)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -381,21 +380,18 @@ def _halvings(n: int) -> list[int]:
 
 def cache_estimate(cfg: Any, target: TargetInfo, layer_ids: list[int], count_dataset: bool) -> dict[str, Any]:
     """Bytes per sample and in total (format v1 pads every row to S), and on disk if padding were not stored."""
-    from ds_capture.demo import resolve_special_path
-
     args = cfg.recipe_args
     H, k, cb = target.hidden_size, len(layer_ids), DTYPE_BYTES[args.cache_dtype]
     per_sample = mm.cache_bytes_per_sample(seq_length=args.seq_length, hidden_size=H, num_layer_ids=k, cache_bytes=cb)
     weights = mm.target_weights_bytes(vocab_size=target.vocab_size, hidden_size=H, cache_bytes=cb)
     out: dict[str, Any] = {"bytes_per_sample": per_sample, "target_weights_bytes": weights, "num_samples": None,
                            "total_bytes": None, "unpadded_total_bytes": None, "lengths": None}
-    data_path = args.train_data_path
-    if not count_dataset or (not data_path.startswith("demo:") and not Path(data_path).exists()):
-        out["note"] = f"dataset {data_path} not found here: totals need its row count"
+    if not count_dataset or not args.train_data.exists():
+        out["note"] = f"dataset {args.train_data_path} not found here: totals need its row count"
         return out
     from ds_capture.data.tokenization import read_conversations
 
-    conversations = read_conversations(resolve_special_path(data_path), split=args.train_split,
+    conversations = read_conversations(str(args.train_data), split=args.train_split,
                                        shuffle_seed=args.shuffle_seed)
     lengths, how = _sample_lengths(cfg, target, conversations)
     num_samples = len(conversations)
