@@ -53,7 +53,7 @@ def _components(args) -> dict:
 
     from common import TRIMMED, workload
 
-    from ds_capture.cache.dspark.kind import read_target_weights
+    from ds_capture.cache.common.identity import read_target_weights
     from ds_capture.cache.eagle3.draft_distribution import DraftDistribution
     from ds_capture.capture.hooks import capture_hidden_states
 

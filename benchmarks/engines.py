@@ -164,7 +164,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from ds_capture.cache.dspark.compare import compare_caches
+    from ds_capture.cache.registry import compare_caches
     from ds_capture.demo import build_tiny_target
 
     started = time.perf_counter()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 
-
 from common import FIXED, TRIMMED, base_parser, capture_loop, interleaved, median, summary, workload
 
 

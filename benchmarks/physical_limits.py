@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import ds_capture.runner as runner
-    from ds_capture.cache.dspark.format import DTYPES
+    from ds_capture.cache.common.names import DTYPES
     from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 

@@ -60,7 +60,7 @@ def _case(logical: int, written: int, disk: int) -> dict:
 
 
 def _position_padding(cache: Path) -> float:
-    from ds_capture.cache.dspark.reader import inspect_cache
+    from ds_capture.cache.registry import inspect_cache
 
     return inspect_cache(cache)["padding_fraction"]
 

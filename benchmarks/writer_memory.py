@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from write_path_workload import build_workload
 
 CHECKOUT = Path(__file__).resolve().parents[1]

@@ -23,10 +23,11 @@ from typing import Iterator
 
 import torch
 
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, DTYPES, Manifest
-from ds_capture.cache.dspark.kind import DSparkKind
-from ds_capture.cache.dspark.writer import write_atomic
+from ds_capture.cache.common.files import write_atomic
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES
+from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
+from ds_capture.cache.registry import kind_class
 from ds_capture.capture.hooks import capture_hidden_states
 from ds_capture.capture.progress import Progress, collective_device
 from ds_capture.capture.safety import FailFast, OutputLock
@@ -130,11 +131,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
 
 def select_cache_kind(cfg: RunConfig) -> CacheKind:
     """The one place the cache kind is chosen (``cache_kind``)."""
-    if cfg.cache_kind == "eagle3":
-        from ds_capture.cache.eagle3.kind import Eagle3Kind  # imports this module: chosen lazily
-
-        return Eagle3Kind(cfg)
-    return DSparkKind(cfg)
+    return kind_class(cfg.cache_kind)(cfg)
 
 
 def resolve_compute_dtype(name: str) -> torch.dtype:

@@ -26,11 +26,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR
 from ds_capture.errors import CaptureError
 
 _LOG = logging.getLogger("ds_capture")
 
+# This project's bookkeeping inside a cache directory (the lock, checksum sidecars, the kinds' run records); NeMo
+# ignores it. Defined here, where the lock is taken; the cache kinds name it through cache.common.names.
+BOOKKEEPING_DIR = ".ds_capture"
 LOCK_NAME = "lock"
 STALE_AFTER_S = 600.0
 STARTING_GRACE_S = 60.0

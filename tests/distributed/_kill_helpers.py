@@ -74,7 +74,7 @@ def install_kill(spec: str) -> None:
         raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
     if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
         return
-    import ds_capture.cache.dspark.writer as writer
+    import ds_capture.cache.common.files as writer  # the sidecars are written through its write_atomic
     import ds_capture.runner as runner
 
     count = [0]

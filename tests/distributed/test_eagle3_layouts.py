@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ds_capture.cache.dspark.compare import compare_caches
-from ds_capture.cache.dspark.reader import verify_cache
+from ds_capture.cache.registry import compare_caches, verify_cache
 from tests.distributed import _kill_helpers as kh
 from tests.eagle3_support import assert_matches_nemo, build_fixture_target, nemo_case_recipe, read_spec
 

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import max_rel_diff, record  # noqa: E402
 
-from ds_capture.cache.dspark.compare import DEFAULT_TOLERANCES, compare_caches  # noqa: E402
+from ds_capture.cache.common.verify import DEFAULT_TOLERANCES
 from ds_capture.cache.dspark.reader import read_manifest  # noqa: E402
+from ds_capture.cache.registry import compare_caches
 
 pytestmark = [pytest.mark.distributed]
 WORKER = "tests/distributed/_fsdp2_worker.py"

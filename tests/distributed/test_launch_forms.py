@@ -30,7 +30,7 @@ from launchers import ensure_shm_op_built, have_mpirun, run_launcher  # noqa: E4
 from support import safetensors_digests  # noqa: E402
 
 from ds_capture.cache.dspark.format import IDENTITY_FIELDS  # noqa: E402
-from ds_capture.cache.dspark.reader import verify_cache  # noqa: E402
+from ds_capture.cache.registry import verify_cache
 
 pytestmark = [pytest.mark.distributed]
 

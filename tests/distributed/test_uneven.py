@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import safetensors_digests  # noqa: E402
 
-from ds_capture.cache.dspark.reader import verify_cache  # noqa: E402
+from ds_capture.cache.registry import verify_cache
 
 pytestmark = [pytest.mark.distributed]
 LAYOUT_WORKER = str(Path(__file__).resolve().parent / "test_layouts.py")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.cache.dspark.format import DTYPES, Manifest
+from ds_capture.cache.common.names import DTYPES
+from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.dspark.writer import write_manifest, write_shard, write_target_weights
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_dspark_v1"

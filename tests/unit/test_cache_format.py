@@ -8,14 +8,8 @@ import pytest
 import torch
 from cache_helpers import fixture_dir, make_manifest
 
-from ds_capture.cache.dspark.format import (
-    DTYPES,
-    IDENTITY_FIELDS,
-    SHARD_RE,
-    Manifest,
-    num_shards,
-    shard_name,
-)
+from ds_capture.cache.common.names import DTYPES, SHARD_RE, num_shards, shard_name
+from ds_capture.cache.dspark.format import IDENTITY_FIELDS, Manifest
 from ds_capture.errors import CaptureError
 
 # The values of the two reference caches, typed in by hand so to_json is tested, not round-tripped.

@@ -9,8 +9,10 @@ import torch
 from cache_helpers import PAD_ID, copy_fixture, fixture_dir, make_manifest, write_cache
 from safetensors.torch import load_file, save_file
 
+from ds_capture.cache.common.verify import padding_lengths
 from ds_capture.cache.dspark.format import Manifest
-from ds_capture.cache.dspark.reader import format_inspect, inspect_cache, padding_lengths, read_manifest, verify_cache
+from ds_capture.cache.dspark.reader import read_manifest
+from ds_capture.cache.registry import format_inspect, inspect_cache, verify_cache
 from ds_capture.errors import CaptureError
 
 FIXTURES = ["cache_fp32", "cache_bf16_plain_masked"]

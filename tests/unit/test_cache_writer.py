@@ -10,17 +10,11 @@ from cache_helpers import PAD_ID, copy_fixture, fixture_dir, hash_tree, make_man
 from safetensors.torch import load_file
 
 import ds_capture.cache.dspark.writer as writer
+from ds_capture.cache.common.files import read_recorded_checksum, sha256_file, write_atomic
+from ds_capture.cache.common.names import shard_name
 from ds_capture.cache.common.shard_file import file_digest
-from ds_capture.cache.dspark.format import IDENTITY_FIELDS, Manifest, shard_name
-from ds_capture.cache.dspark.writer import (
-    prepare_output_dir,
-    read_recorded_checksum,
-    sha256_file,
-    write_atomic,
-    write_manifest,
-    write_shard,
-    write_target_weights,
-)
+from ds_capture.cache.dspark.format import IDENTITY_FIELDS, Manifest
+from ds_capture.cache.dspark.writer import prepare_output_dir, write_manifest, write_shard, write_target_weights
 from ds_capture.errors import CaptureError
 
 

@@ -10,8 +10,9 @@ import torch
 from cache_helpers import copy_fixture, fixture_dir, make_manifest, write_cache
 from safetensors.torch import load_file, save_file
 
-from ds_capture.cache.dspark.compare import DEFAULT_TOLERANCES, compare_caches
-from ds_capture.cache.dspark.format import shard_name
+from ds_capture.cache.common.names import shard_name
+from ds_capture.cache.common.verify import DEFAULT_TOLERANCES
+from ds_capture.cache.registry import compare_caches
 from ds_capture.cli import main
 from ds_capture.errors import CaptureError
 

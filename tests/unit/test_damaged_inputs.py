@@ -9,8 +9,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
 import torch
+from safetensors.torch import save_file
 
 from ds_capture.cli import main
 

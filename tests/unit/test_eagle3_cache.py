@@ -14,9 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ds_capture.cache.dspark.compare import compare_caches
-from ds_capture.cache.dspark.reader import format_inspect, inspect_cache, verify_cache
 from ds_capture.cache.eagle3.draft_distribution import DraftDistribution, select_draft_vocab
+from ds_capture.cache.registry import compare_caches, format_inspect, inspect_cache, verify_cache
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import parse_config
 from ds_capture.runner import run_capture

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 import ds_capture.runner as runner
 from ds_capture.cache.dspark.format import Manifest
-from ds_capture.cache.dspark.reader import verify_cache
 from ds_capture.cache.dspark.writer import write_manifest
+from ds_capture.cache.registry import verify_cache
 from ds_capture.cli import main
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import load_config

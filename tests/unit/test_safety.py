@@ -400,7 +400,7 @@ def test_a_full_disk_mid_run_gives_a_clear_message(base, tmp_path, tmpfs, capsys
 
 def test_an_injected_erofs_on_rename_leaves_no_final_file(base, tmp_path, monkeypatch, capsys):
     """Where no tmpfs can be mounted: the rename of the first shard fails with EROFS."""
-    import ds_capture.cache.dspark.writer as writer
+    import ds_capture.cache.common.files as writer
 
     real_replace = os.replace
 

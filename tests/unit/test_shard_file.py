@@ -16,17 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
+from ds_capture.cache.common.files import checksum_matches, read_recorded_checksum, sha256_file
+from ds_capture.cache.common.names import shard_name
 from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile, file_digest
 from ds_capture.cache.common.staging import HostStaging
-from ds_capture.cache.dspark.format import shard_name
-from ds_capture.cache.dspark.reader import verify_cache
-from ds_capture.cache.dspark.writer import (
-    DSparkShards,
-    checksum_matches,
-    read_recorded_checksum,
-    sha256_file,
-    write_manifest,
-)
+from ds_capture.cache.dspark.writer import DSparkShards, write_manifest
+from ds_capture.cache.registry import verify_cache
 
 LAYOUTS = {
     "dspark_bf16": {"input_ids": ((3, 5), torch.int64), "loss_mask": ((3, 5), torch.int64),
@@ -289,7 +284,7 @@ def test_demo_capture_stores_fewer_bytes_than_its_logical_size_and_verifies(tmp_
     (safetensors' mmap) sees the zeros; the recorded checksums verify."""
     from pathlib import Path
 
-    from ds_capture.cache.dspark.reader import inspect_cache
+    from ds_capture.cache.registry import inspect_cache
     from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR
+from ds_capture.cache.common.names import BOOKKEEPING_DIR
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import load_config
 from ds_capture.runner import plan_micro_batches, run_capture

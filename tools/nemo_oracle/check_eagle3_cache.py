@@ -20,7 +20,6 @@ import sys
 def check(cache_dir: str, target_dir: str) -> None:
     import torch
     import transformers
-
     from nemo_automodel.components.datasets.llm.eagle3_cache import (
         CachedEagle3Dataset,
         build_cached_eagle3_dataloader,

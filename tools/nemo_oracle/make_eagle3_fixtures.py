@@ -28,9 +28,8 @@ FIXTURES = ROOT / "tests" / "fixtures" / "eagle3"
 
 def _install_loader_shim() -> None:
     """NeMoAutoModelForCausalLM -> transformers' AutoModelForCausalLM (CPU, sdpa); set before the import."""
-    import transformers
-
     import nemo_automodel._transformers as nemo_transformers
+    import transformers
 
     class _HFLoader:
         @staticmethod
@@ -56,12 +55,12 @@ def _sha256_tree(path: Path) -> dict[str, str]:
 
 def main() -> int:
     _install_loader_shim()
+    from importlib.metadata import version
+
     import datasets
     import safetensors
     import torch
     import transformers
-    from importlib.metadata import version
-
     from nemo_automodel.components.speculative import precompute_eagle3
 
     spec = json.loads((FIXTURES / "spec.json").read_text())

@@ -18,47 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ds_capture.cache.common.names import DTYPES, num_shards
 from ds_capture.errors import CaptureError
 
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 TARGET_WEIGHTS_NAME = "target_weights.safetensors"
-SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
-BOOKKEEPING_DIR = ".ds_capture"
-CHECKSUMS_DIR = "checksums"
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 SHARD_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 WEIGHT_KEYS = ("embed_tokens.weight", "lm_head.weight")
-
-
-def shard_name(index: int) -> str:
-    """``shard-000007.safetensors`` for index 7."""
-    return f"shard-{index:06d}.safetensors"
-
-
-def checksum_name(index: int) -> str:
-    """Name of the checksum sidecar of shard ``index`` under ``.ds_capture/checksums/``."""
-    return f"shard-{index:06d}.checksum"
-
-
-def legacy_checksum_name(index: int) -> str:
-    """The sidecar earlier versions wrote: the shard's plain sha256, in sha256sum's format."""
-    return f"shard-{index:06d}.sha256"
-
-
-def num_shards(num_samples: int, shard_size: int) -> int:
-    """ceil(num_samples / shard_size): the last shard may be shorter."""
-    return math.ceil(num_samples / shard_size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,8 +19,10 @@ import torch
 
 from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
+from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
+from ds_capture.cache.common.names import DTYPES, MANIFEST_NAME
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
-from ds_capture.cache.dspark.format import DTYPES, MANIFEST_NAME, Manifest
+from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.dspark.writer import (
     DSparkShards,
     check_output_dir,
@@ -31,7 +33,6 @@ from ds_capture.cache.dspark.writer import (
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.capture.safety import OutputLock, input_fingerprints
 from ds_capture.data.tokenization import chat_template_sha256
-from ds_capture.errors import CaptureError
 from ds_capture.parallel.layout import ParallelPlan
 from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
@@ -159,34 +160,3 @@ def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path:
         write_manifest(out_dir, manifest)
 
 
-def refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
-    changed = [name for name, value in current.items() if name in recorded and recorded[name] != value]
-    if changed:
-        what = {"train_data_sha256": "the dataset's content", "tokenizer_sha256": "the tokenizer files"}
-        raise CaptureError(
-            f"{out_dir} was started from different inputs under the same paths: "
-            + " and ".join(what.get(name, name) for name in changed)
-            + " changed since (sha256 differs). Mixing them would corrupt the cache silently. Use a new "
-            "cache_output_dir, or pass --restart to recompute every shard from the current inputs."
-        )
-
-
-def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full embedding and lm_head straight from the checkpoint files (no engine gathers needed)."""
-    from safetensors import safe_open
-
-    family = target.family
-    keys = [family.embed_weight_key] + ([] if target.tie_word_embeddings else [family.lm_head_weight_key])
-    index_path = target.path / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    else:
-        weight_map = {key: "model.safetensors" for key in keys}
-    tensors = {}
-    for key in keys:
-        if key not in weight_map:
-            raise CaptureError(f"{target.path}: the checkpoint has no tensor {key!r} (needed for target_weights).")
-        with safe_open(str(target.path / weight_map[key]), framework="pt") as handle:
-            tensors[key] = handle.get_tensor(key).clone()
-    embed = tensors[family.embed_weight_key]
-    return embed, tensors.get(family.lm_head_weight_key, embed)

@@ -19,25 +19,29 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from ds_capture.cache.dspark.format import (
-    BOOKKEEPING_DIR,
-    CHECKSUMS_DIR,
-    IDENTITY_FIELDS,
+from ds_capture.cache.common.names import (
     MANIFEST_NAME,
     SHARD_RE,
-    TARGET_WEIGHTS_NAME,
-    Manifest,
-    checksum_name,
     shard_name,
 )
-from ds_capture.cache.dspark.writer import file_checksum, read_recorded_checksum
+from ds_capture.cache.common.verify import (
+    VerifyReport,
+    finish_report,
+    human_bytes,
+    layout_mismatch,
+    list_names,
+    load_checked_shard,
+    load_tensors,
+    padding_lengths,
+    verify_checksum,
+)
+from ds_capture.cache.dspark.format import IDENTITY_FIELDS, TARGET_WEIGHTS_NAME, Manifest
 from ds_capture.errors import CaptureError
 
 _MAX_LISTED = 10
@@ -58,46 +62,9 @@ def read_manifest(cache_dir: Path) -> Manifest:
     return Manifest.from_json(text, str(path))
 
 
-@dataclass
-class VerifyReport:
-    """What ``verify_cache`` found; ``ok`` is true exactly when ``problems`` is empty."""
-
-    cache_dir: Path
-    ok: bool = False
-    problems: list[str] = field(default_factory=list)
-    num_samples: int = 0
-    num_shards: int = 0
-    num_shards_checked: int = 0
-    num_tokens: int = 0
-    """Non-padding positions, by the module's padding rule."""
-    num_supervised_tokens: int = 0
-    """loss_mask.sum() over all shards."""
-    pad_id: int | None = None
-    """The inferred pad id (None: no row looks padded)."""
-    checksums: bool = False
-    """Whether shards were re-hashed against their recorded sha256."""
-
-    def summary(self) -> str:
-        status = "OK" if self.ok else f"FAILED ({len(self.problems)} problem{'s' * (len(self.problems) != 1)})"
-        return (
-            f"{self.cache_dir}: {status}: {self.num_samples} samples in {self.num_shards_checked}/{self.num_shards} "
-            f"shards checked, {self.num_tokens} tokens, {self.num_supervised_tokens} supervised"
-            + (", checksums verified" if self.checksums else "")
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["cache_dir"] = str(self.cache_dir)
-        return out
-
-
-def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
-    """Check every contract rule on ``cache_dir``; ``checksums`` also re-hashes each shard."""
+def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
+    """Check every contract rule on the DSpark cache ``cache_dir``; ``checksums`` also re-hashes each shard."""
     cache_dir = Path(cache_dir)
-    from ds_capture.cache.eagle3 import reader as eagle3_reader
-
-    if eagle3_reader.is_eagle3_cache(cache_dir):
-        return eagle3_reader.verify_eagle3_cache(cache_dir, checksums=checksums)
     report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
     try:
         manifest = read_manifest(cache_dir)
@@ -114,39 +81,29 @@ def verify_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     consistency = manifest.consistency_problems()
     problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
     if consistency:
-        return _finish(report)
+        return finish_report(report)
 
     present = _shard_indices(cache_dir)
     expected = set(range(manifest.num_shards))
     if missing := sorted(expected - present):
         last = shard_name(manifest.num_shards - 1)
-        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. {last})")
+        problems.append(f"missing shards: {list_names(missing)} (expected shard-000000 .. {last})")
     if extra := sorted(present - expected):
-        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {_list_names(extra)}")
+        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}")
 
     to_check = sorted(expected & present)
     report.pad_id = _infer_pad_id(cache_dir, to_check)
     for index in to_check:
         _verify_shard(cache_dir, index, manifest, report)
         if checksums:
-            _verify_checksum(cache_dir, index, report)
+            verify_checksum(cache_dir, index, report)
         report.num_shards_checked += 1
     _verify_weights(cache_dir, manifest, problems)
-    return _finish(report)
-
-
-def _finish(report: VerifyReport) -> VerifyReport:
-    report.ok = not report.problems
-    return report
+    return finish_report(report)
 
 
 def _shard_indices(cache_dir: Path) -> set[int]:
     return {int(m.group(1)) for e in cache_dir.iterdir() if (m := SHARD_RE.match(e.name))}
-
-
-def _list_names(indices: list[int]) -> str:
-    names = ", ".join(shard_name(i) for i in indices[:_MAX_LISTED])
-    return names + (f" (and {len(indices) - _MAX_LISTED} more)" if len(indices) > _MAX_LISTED else "")
 
 
 def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
@@ -163,40 +120,6 @@ def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
         padded = input_ids[:, -1] == input_ids[:, -2]
         votes.update(input_ids[padded, -1].tolist())
     return votes.most_common(1)[0][0] if votes else None
-
-
-def padding_lengths(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
-    """[n] length of each row's trailing run of ``pad_id`` (0 where the row does not end in it)."""
-    if pad_id is None:
-        return torch.zeros(input_ids.shape[0], dtype=torch.int64)
-    # Count pads from the end until the first non-pad: cumprod of the reversed "is pad" mask.
-    is_pad_reversed = (input_ids.flip(-1) == pad_id).to(torch.int64)
-    return is_pad_reversed.cumprod(dim=-1).sum(dim=-1)
-
-
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file."""
-    with safe_open(path, framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
-
-
-def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: list[str]) -> dict[str, torch.Tensor] | None:
-    """Shard ``index``'s tensors when the file reads and holds exactly ``manifest.expected_shard_tensors(index)``
-    (names, shapes, dtypes); otherwise each problem is appended and None returned. Both cache kinds verify this way."""
-    name = shard_name(index)
-    try:
-        tensors = load_tensors(Path(cache_dir) / name)
-    except Exception as err:  # safetensors raises several types for damaged files
-        problems.append(f"{name}: unreadable safetensors file ({err})")
-        return None
-    expected = manifest.expected_shard_tensors(index)
-    if set(tensors) != set(expected):
-        problems.append(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
-        return None
-    layout = [f"{name}: {_layout_mismatch(key, tensors[key], shape, dtype)}" for key, (shape, dtype) in expected.items()
-              if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype]
-    problems.extend(layout)
-    return None if layout else tensors
 
 
 def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: VerifyReport) -> None:
@@ -242,26 +165,6 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
             )
 
 
-def _verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
-    name = shard_name(index)
-    recorded = read_recorded_checksum(cache_dir, index)
-    if recorded is None:
-        record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
-        report.problems.append(f"{name}: no recorded checksum ({record}) to check against")
-        return
-    algorithm = recorded.partition(":")[0]
-    try:
-        actual = file_checksum(cache_dir / name, algorithm)
-    except ValueError as error:
-        report.problems.append(f"{name}: its {algorithm} checksum cannot be computed ({error})")
-        return
-    if actual != recorded:
-        report.problems.append(
-            f"{name}: {algorithm} {actual.partition(':')[2]} differs from the recorded {recorded.partition(':')[2]}: "
-            "the file changed after it was written"
-        )
-
-
 def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) -> None:
     path = cache_dir / TARGET_WEIGHTS_NAME
     if not path.is_file():
@@ -279,26 +182,15 @@ def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) ->
     for key, (shape, dtype) in expected.items():
         t = tensors[key]
         if tuple(t.shape) != shape or t.dtype != dtype:
-            problems.append(f"{TARGET_WEIGHTS_NAME}: {_layout_mismatch(key, t, shape, dtype)}")
+            problems.append(f"{TARGET_WEIGHTS_NAME}: {layout_mismatch(key, t, shape, dtype)}")
         elif not torch.isfinite(t).all():
             problems.append(f"{TARGET_WEIGHTS_NAME}: {key} holds non-finite values (NaN/inf)")
 
 
-def _layout_mismatch(key: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    def dtype_name(d: torch.dtype) -> str:
-        return str(d).removeprefix("torch.")
-
-    return f"{key} is {list(t.shape)} {dtype_name(t.dtype)}, expected {list(shape)} {dtype_name(dtype)}"
-
-
-def inspect_cache(cache_dir: Path) -> dict[str, Any]:
-    """Counts, sizes (logical, on disk, padding fraction) and identity of a cache, reading only input_ids and
-    loss_mask of each shard."""
+def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
+    """Counts, sizes (logical, on disk, padding fraction) and identity of a DSpark cache, reading only input_ids
+    and loss_mask of each shard."""
     cache_dir = Path(cache_dir)
-    from ds_capture.cache.eagle3 import reader as eagle3_reader
-
-    if eagle3_reader.is_eagle3_cache(cache_dir):
-        return eagle3_reader.inspect_eagle3_cache(cache_dir)
     manifest = read_manifest(cache_dir)
     present = sorted(_shard_indices(cache_dir))
     pad_id = _infer_pad_id(cache_dir, present)
@@ -339,12 +231,8 @@ def _padding_fraction(num_tokens: int, present: list[int], manifest: Manifest) -
     return round(1 - num_tokens / positions, 6) if positions else 0.0
 
 
-def format_inspect(info: dict[str, Any]) -> str:
-    """Human text for ``inspect_cache``'s dict."""
-    if info.get("kind") == "eagle3":
-        from ds_capture.cache.eagle3.reader import format_eagle3_inspect
-
-        return format_eagle3_inspect(info)
+def format_dspark_inspect(info: dict[str, Any]) -> str:
+    """Human text for ``inspect_dspark_cache``'s dict."""
     samples, tokens = info["samples"], info["tokens"]
     state = "complete" if info["complete"] else "INCOMPLETE"
     lines = [
@@ -354,7 +242,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"tokens       {tokens} non-padding ({tokens / max(samples, 1):.1f} per sample), pad id {info['pad_id']}",
         f"supervised   {info['supervised_tokens']} ({info['supervised_tokens'] / max(tokens, 1):.1%} of tokens)",
         f"layers       {info['layers']} ({info['dtype']})",
-        f"on disk      {_human_bytes(info['bytes_on_disk'])} of {_human_bytes(info['logical_bytes'])} logical "
+        f"on disk      {human_bytes(info['bytes_on_disk'])} of {human_bytes(info['logical_bytes'])} logical "
         f"({info['padding_fraction']:.1%} of row positions are padding)",
         "identity:",
     ]
@@ -363,10 +251,3 @@ def format_inspect(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _human_bytes(num_bytes: int) -> str:
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
-        size /= 1024
-    raise AssertionError("unreachable")

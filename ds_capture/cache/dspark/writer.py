@@ -20,120 +20,24 @@ already finished. A shard counts as finished only if its checksum matches the si
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file as _save_file
 
-from ds_capture.cache.common.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest, fsync_dir
-from ds_capture.cache.dspark.format import (
+from ds_capture.cache.common.files import TMP_SUFFIX, ManifestShards, save_file, shard_is_done, write_atomic
+from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,
     DTYPES,
     MANIFEST_NAME,
-    TARGET_WEIGHTS_NAME,
-    Manifest,
-    checksum_name,
-    legacy_checksum_name,
     shard_name,
 )
+from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile
+from ds_capture.cache.dspark.format import TARGET_WEIGHTS_NAME, Manifest
 from ds_capture.errors import CaptureError
 
-TMP_SUFFIX = ".tmp"
 _MAX_LISTED = 5
-
-
-def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``safetensors.torch.save_file`` whose I/O failures surface as ``OSError`` (with errno and path).
-
-    safetensors reports a full disk as ``SafetensorError("... No space left on device (os error 28)")``;
-    the runner turns an ``OSError`` into a clear message, so the errno is recovered here.
-    """
-    try:
-        _save_file(tensors, path)
-    except SafetensorError as error:
-        found = re.search(r"\(os error (\d+)\)", str(error))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from error
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on ``<name>.tmp``, fsync it, rename it over ``path``; never a partial ``path``."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in chunks (memory bounded for multi-GB shards)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def checksum_path(out_dir: Path, index: int) -> Path:
-    return Path(out_dir) / BOOKKEEPING_DIR / CHECKSUMS_DIR / checksum_name(index)
-
-
-def read_recorded_checksum(out_dir: Path, index: int) -> str | None:
-    """The tagged checksum recorded when shard ``index`` was written (``algorithm:hex``), or None.
-
-    A sidecar of an earlier version (``shard-NNNNNN.sha256`` in sha256sum's format) reads as ``sha256:<hex>``.
-    """
-    checksums = Path(out_dir) / BOOKKEEPING_DIR / CHECKSUMS_DIR
-    for name, legacy in ((checksum_name(index), False), (legacy_checksum_name(index), True)):
-        try:
-            words = (checksums / name).read_text(encoding="utf-8").split()
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        if not words:
-            return None
-        return f"sha256:{words[0]}" if legacy else words[0]
-    return None
-
-
-def file_checksum(path: Path, algorithm: str) -> str:
-    """The tagged checksum of the file at ``path`` under ``algorithm`` (``xxh3-128-rows`` or ``sha256``)."""
-    if algorithm == "sha256":
-        return f"sha256:{sha256_file(path)}"
-    if algorithm == ROWS_DIGEST:
-        return file_digest(path)
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}")
-
-
-def checksum_matches(path: Path, recorded: str) -> bool:
-    """Whether the file at ``path`` still has the ``recorded`` tagged checksum (any known algorithm)."""
-    try:
-        return file_checksum(path, recorded.partition(":")[0]) == recorded
-    except ValueError:  # a damaged header or an unknown algorithm: not the file that was recorded
-        return False
-
-
-def write_checksum_sidecar(out_dir: Path, index: int, checksum: str) -> None:
-    """Record shard ``index``'s tagged checksum (atomically); drops an earlier version's sha256 sidecar."""
-    sidecar = checksum_path(out_dir, index)
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    line = f"{checksum}  {shard_name(index)}\n"
-    write_atomic(sidecar, lambda tmp: tmp.write_text(line, encoding="utf-8"))
-    (sidecar.parent / legacy_checksum_name(index)).unlink(missing_ok=True)
 
 
 def check_output_dir(out_dir: Path, manifest: Manifest) -> Manifest | None:
@@ -216,28 +120,6 @@ def _remove_stale_tmp(out_dir: Path) -> None:
                     entry.unlink()
 
 
-def shard_is_done(out_dir: Path, index: int, manifest: Any) -> bool:
-    """Final name, readable header with exactly the manifest's expected tensors, and the recorded checksum
-    (any cache kind's manifest: ``expected_shard_tensors``)."""
-    path = out_dir / shard_name(index)
-    recorded = read_recorded_checksum(out_dir, index)
-    if not path.is_file() or recorded is None:
-        return False
-    try:
-        with safe_open(path, framework="pt") as f:
-            found = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
-    except Exception:  # any unreadable header means "recompute", whatever safetensors raises
-        return False
-    expected_tensors = manifest.expected_shard_tensors(index).items()
-    expected = {key: (shape, _SAFETENSORS_DTYPE[dtype]) for key, (shape, dtype) in expected_tensors}
-    return found == expected and checksum_matches(path, recorded)
-
-
-# safetensors' header names for the dtypes a cache may hold.
-_SAFETENSORS_DTYPE = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.float32: "F32",
-                      torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
 def write_target_weights(out_dir: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: str) -> None:
     """Write ``target_weights.safetensors``: both [V, H] full tensors in the cache dtype."""
     if embed_tokens.dim() != 2 or embed_tokens.shape != lm_head.shape:
@@ -256,47 +138,6 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> None:
     """Write ``manifest.json`` atomically (NeMo's formatting: sorted keys, indent 2, no newline)."""
     text = manifest.to_json()
     write_atomic(Path(out_dir) / MANIFEST_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-@dataclass(frozen=True)
-class WrittenShard:
-    """What writing one shard cost: its logical size, the bytes actually written, its blocks on disk."""
-
-    index: int
-    logical_bytes: int
-    bytes_written: int
-    disk_bytes: int
-    """``st_blocks * 512`` of the final file: below ``logical_bytes`` where the padding tails are holes."""
-
-
-class ManifestShards:
-    """Shards laid out from a manifest's ``expected_shard_tensors`` / ``shard_rows``, as the capture loop drives
-    them (``async_writer.ShardKind``): ``open``, rows, ``finish``.
-
-    ``open(index)`` returns a :class:`ShardFile`; its ``zero_tail`` tensors are written up to each row's real
-    length only (the padded tail stays a hole). ``finish`` renames the shard into place and records its
-    checksum sidecar. Each cache kind names its zero-tail tensors (:class:`DSparkShards`, ``Eagle3Shards``).
-    """
-
-    zero_tail: frozenset[str] = frozenset()
-
-    def __init__(self, out_dir: Path, manifest: Any) -> None:
-        self.out_dir = Path(out_dir)
-        self.manifest = manifest
-
-    def rows(self, index: int) -> int:
-        return self.manifest.shard_rows(index)
-
-    def open(self, index: int) -> ShardFile:
-        layout = SafetensorsLayout.build(self.manifest.expected_shard_tensors(index))
-        return ShardFile(self.out_dir / shard_name(index), layout, zero_tail=self.zero_tail)
-
-    def finish(self, index: int, shard: ShardFile) -> WrittenShard:
-        checksum = shard.finish()
-        write_checksum_sidecar(self.out_dir, index, checksum)
-        stat = shard.path.stat()
-        return WrittenShard(index=index, logical_bytes=stat.st_size, bytes_written=shard.bytes_written,
-                            disk_bytes=stat.st_blocks * 512)
 
 
 class DSparkShards(ManifestShards):

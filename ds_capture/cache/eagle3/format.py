@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ds_capture.cache.dspark.format import DTYPES, num_shards
+from ds_capture.cache.common.names import DTYPES, num_shards
 from ds_capture.errors import CaptureError
 
 EAGLE3_FORMAT_VERSION = 2

@@ -23,10 +23,10 @@ import torch
 
 from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
+from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, DTYPES
-from ds_capture.cache.dspark.kind import read_target_weights, refuse_changed_inputs
-from ds_capture.cache.dspark.reader import padding_lengths
+from ds_capture.cache.common.verify import padding_lengths
 from ds_capture.cache.eagle3.draft_distribution import (
     DraftDistribution,
     count_supervised_tokens,

@@ -19,9 +19,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ds_capture.cache.dspark.compare import CompareReport, KeyDiff, ShardDiff, _diff, default_tolerance
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
-from ds_capture.cache.dspark.reader import load_checked_shard, load_tensors
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
+from ds_capture.cache.common.verify import (
+    CompareReport,
+    KeyDiff,
+    ShardDiff,
+    default_tolerance,
+    diff_tensors,
+    load_checked_shard,
+    load_tensors,
+)
 from ds_capture.cache.eagle3.format import (
     COMPLETE_NAME,
     EMBEDDINGS_NAME,
@@ -67,7 +74,7 @@ def _shard_indices(cache_dir: Path) -> set[int]:
 
 
 def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
-    from ds_capture.cache.dspark.reader import VerifyReport, _list_names, _verify_checksum
+    from ds_capture.cache.common.verify import VerifyReport, list_names, verify_checksum
 
     cache_dir = Path(cache_dir)
     report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
@@ -76,31 +83,31 @@ def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
         manifest = read_eagle3(cache_dir)
     except CaptureError as err:
         problems.append(str(err))
-        return _finish(report)
+        return finish_report(report)
     report.num_samples, report.num_shards = manifest.num_samples, manifest.num_shards
     if consistency := manifest.consistency_problems():
         problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
-        return _finish(report)
+        return finish_report(report)
     complete, rule = completion(cache_dir, manifest)
     if not complete and (cache_dir / BOOKKEEPING_DIR).is_dir():
         problems.append(f"{BOOKKEEPING_DIR}/{COMPLETE_NAME} is missing or names another manifest: the ds_capture run "
                         "writing this cache has not finished (or was killed); re-run it with the same config")
     present, expected = _shard_indices(cache_dir), set(range(manifest.num_shards))
     if missing := sorted(expected - present):
-        problems.append(f"missing shards: {_list_names(missing)} (expected shard-000000 .. "
+        problems.append(f"missing shards: {list_names(missing)} (expected shard-000000 .. "
                         f"{shard_name(manifest.num_shards - 1)})")
     if extra := sorted(present - expected):
-        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {_list_names(extra)}")
+        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}")
     for index in sorted(expected & present):
         _verify_shard(cache_dir, index, manifest, report)
         if checksums:
-            _verify_checksum(cache_dir, index, report)
+            verify_checksum(cache_dir, index, report)
         report.num_shards_checked += 1
     _verify_embeddings(cache_dir, manifest, problems)
-    return _finish(report)
+    return finish_report(report)
 
 
-def _finish(report):
+def finish_report(report):
     report.ok = not report.problems
     return report
 
@@ -187,7 +194,7 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
 
 
 def format_eagle3_inspect(info: dict[str, Any]) -> str:
-    from ds_capture.cache.dspark.reader import _human_bytes
+    from ds_capture.cache.common.verify import human_bytes
 
     samples, tokens = info["samples"], info["tokens"]
     lines = [
@@ -199,7 +206,7 @@ def format_eagle3_inspect(info: dict[str, Any]) -> str:
         f"supervised   {info['supervised_tokens']} loss_mask, {info['supervised_positions']} position_mask",
         f"aux layers   {info['layers']} ({info['dtype']})",
         f"target_probs {info['target_probs']} over a draft vocabulary of {info['draft_vocab_size']}",
-        f"on disk      {_human_bytes(info['bytes_on_disk'])}",
+        f"on disk      {human_bytes(info['bytes_on_disk'])}",
         "identity:",
     ]
     width = max(len(k) for k in info["identity"])
@@ -268,5 +275,5 @@ def _compare_files(path_a: Path, path_b: Path, atol: float, rtol: float) -> Shar
                                f"{y.dtype} in B; run `ds-capture verify` on both caches.")
         if x.dtype == torch.bool:
             x, y = x.to(torch.int64), y.to(torch.int64)
-        diffs[key] = _diff(x, y, atol, rtol)
+        diffs[key] = diff_tensors(x, y, atol, rtol)
     return ShardDiff(name=path_a.name, keys=diffs)

@@ -21,14 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.cache.dspark.format import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME
-from ds_capture.cache.dspark.writer import (
-    TMP_SUFFIX,
-    ManifestShards,
-    save_file,
-    shard_is_done,
-    write_atomic,
-)
+from ds_capture.cache.common.files import TMP_SUFFIX, ManifestShards, save_file, shard_is_done, write_atomic
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME
 from ds_capture.cache.eagle3.format import (
     COMPLETE_NAME,
     EAGLE3_FORMAT_VERSION,
