@@ -8,7 +8,7 @@ written once as JSONL. Every rank runs as its own process, one after another (pe
 
 - ours: ``open_dataset`` validates every row, streaming (every rank reads the whole file: the same first error
   everywhere), then ``conversations(range)`` + ``tokenize_conversations`` for the rank's contiguous range
-  (``ParallelPlan.sample_range``), capped at ``--tokenize-rows`` rows (tokenisation is the cost that scales
+  (``ParallelLayout.sample_range``), capped at ``--tokenize-rows`` rows (tokenisation is the cost that scales
   with the range; its rows/s does not depend on the cap);
 - NeMo AutoModel 0.7.0 (``--nemo-python``, a side environment with nemo_automodel installed): ``ChatDataset``
   exactly as its precompute builds it (every rank loads and parses the whole file), then ``dataset[i]`` for the
@@ -57,7 +57,7 @@ def run_ours(args) -> dict:
 
     from ds_capture.data.reading import open_dataset
     from ds_capture.data.tokenization import resolve_chat_template, tokenize_conversations
-    from ds_capture.parallel.layout import build_plan
+    from ds_capture.parallel.layout import build_layout
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     template = resolve_chat_template(tokenizer, None)
@@ -65,7 +65,7 @@ def run_ours(args) -> dict:
     started = time.perf_counter()
     dataset = open_dataset(args.data, split=None, shuffle_seed=42)
     validate_s = time.perf_counter() - started
-    plan = build_plan(world_size=args.world, rank=args.rank, tp_size=1, ep_size=1, num_experts=None,
+    plan = build_layout(world_size=args.world, rank=args.rank, tp_size=1, ep_size=1, num_experts=None,
                       num_attention_heads=4, num_key_value_heads=4)
     samples = plan.sample_range(len(dataset), args.shard_size)
     stop = min(samples.stop, samples.start + args.tokenize_rows)

@@ -48,7 +48,7 @@ def worker(target_dir: str, tp_size: int, ep_size: int, hf: bool = False) -> Non
     torch.set_num_threads(1)
     from ds_capture.parallel.deepspeed_engine import build_sharded_model
     from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
-    from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups
+    from ds_capture.parallel.layout import ParallelLayout, build_layout, new_groups
     from ds_capture.parallel.single import build_single_model, load_with_from_pretrained
     from ds_capture.target.families import read_target_info
 
@@ -59,9 +59,9 @@ def worker(target_dir: str, tp_size: int, ep_size: int, hf: bool = False) -> Non
     env = discover_env()
     with distributed_session(env, backend="gloo", timeout_minutes=10):
         if env.world_size == 1:
-            plan, groups = ParallelPlan.single(), None
+            plan, groups = ParallelLayout.single(), None
         else:
-            plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
+            plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                               num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                               num_key_value_heads=target.num_key_value_heads)
             repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)

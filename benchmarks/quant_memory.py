@@ -46,7 +46,7 @@ def worker(target_dir: str, ep_size: int, storage: str) -> None:
 
     from ds_capture.parallel.dist import discover_env, distributed_session
     from ds_capture.parallel.engines import build_model
-    from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups
+    from ds_capture.parallel.layout import ParallelLayout, build_layout, new_groups
     from ds_capture.target.families import read_target_info
 
     target = read_target_info(Path(target_dir))
@@ -54,9 +54,9 @@ def worker(target_dir: str, ep_size: int, storage: str) -> None:
     env = discover_env()
     with distributed_session(env, backend="gloo", timeout_minutes=10):
         if env.world_size == 1:
-            plan, groups = ParallelPlan.single(), None
+            plan, groups = ParallelLayout.single(), None
         else:
-            plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=1, ep_size=ep_size,
+            plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=1, ep_size=ep_size,
                               num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                               num_key_value_heads=target.num_key_value_heads)
             groups = new_groups(plan)

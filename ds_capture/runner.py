@@ -46,7 +46,7 @@ from ds_capture.parallel.dist import (
     repair_cpu_allreduce,
 )
 from ds_capture.parallel.engines import build_model
-from ds_capture.parallel.layout import ParallelPlan, build_plan, new_groups, resolve_degrees
+from ds_capture.parallel.layout import ParallelLayout, build_layout, new_groups, resolve_degrees
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing.command import refuse_if_not_fitting
 from ds_capture.target.families import TargetInfo, read_target_info
@@ -116,7 +116,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
     target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
-    plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
+    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.tp_key_value_heads)
     # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
@@ -149,7 +149,7 @@ def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None
         raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
 
 
-def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan, *,
+def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, *,
          restart: bool, show_progress: bool) -> RunSummary:
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
@@ -194,13 +194,13 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             lock.release()
 
 
-def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelPlan, groups) -> torch.nn.Module:
+def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, groups) -> torch.nn.Module:
     return build_model(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
                        attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config,
                        expert_storage=cfg.capture.expert_storage)
 
 
-def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelPlan,
+def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout,
              prepared: "_Prepared", loading: Future | None, *, started: float, show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     out_dir = Path(args.cache_output_dir)
@@ -276,7 +276,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
 
 
 def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: list[int],
-             plan: ParallelPlan) -> "_Prepared":
+             plan: ParallelLayout) -> "_Prepared":
     """Data and manifest: every row validated (streaming, on every rank) and this rank's range tokenised,
     before anything is written or any weight loads."""
     args = cfg.recipe_args
@@ -413,7 +413,7 @@ def _check_finite(batch: PlannedBatch, hidden: torch.Tensor, last: torch.Tensor,
     nonfinite.extend(samples)
 
 
-def _record_nonfinite(out_dir: Path, samples: list[int], plan: ParallelPlan) -> None:
+def _record_nonfinite(out_dir: Path, samples: list[int], plan: ParallelLayout) -> None:
     if not plan.is_writer:
         return
     path = out_dir / BOOKKEEPING_DIR / f"nonfinite_samples.dp{plan.dp_rank}.json"

@@ -1,6 +1,6 @@
 """The DeepSpeed engine: the frozen target sharded over ranks, no rank ever holding the whole model.
 
-In:  a :class:`~ds_capture.target.families.TargetInfo`, this rank's :class:`~ds_capture.parallel.layout.ParallelPlan` and
+In:  a :class:`~ds_capture.target.families.TargetInfo`, this rank's :class:`~ds_capture.parallel.layout.ParallelLayout` and
      :class:`~ds_capture.parallel.layout.ParallelGroups`, the compute dtype, the attention implementation and the
      DeepSpeed config mapping (only ``tensor_parallel.tp_grain_size`` is read here).
 Out: the plain Hugging Face CausalLM module (unwrapped from DeepSpeed's InferenceEngine, so hooks use the

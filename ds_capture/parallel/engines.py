@@ -1,4 +1,4 @@
-"""Engines: functions that turn a target checkpoint and a ParallelPlan into a frozen, sharded model.
+"""Engines: functions that turn a target checkpoint and a ParallelLayout into a frozen, sharded model.
 
 Every engine has the same signature and returns a plain Hugging Face causal LM module (its
 module paths unchanged, so the family registry and the hooks work on it) whose forward is a

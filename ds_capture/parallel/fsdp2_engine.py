@@ -1,6 +1,6 @@
 """``engine: fsdp2``: the frozen target sharded with torch's native ``fully_shard`` (FSDP2).
 
-In:  a :class:`~ds_capture.target.families.TargetInfo`, the :class:`~ds_capture.parallel.layout.ParallelPlan` (FSDP2 is pure
+In:  a :class:`~ds_capture.target.families.TargetInfo`, the :class:`~ds_capture.parallel.layout.ParallelLayout` (FSDP2 is pure
      data parallel: ``tp_size`` 1, each rank forwards its own micro-batch), the cache dtype.
 Out: the plain Hugging Face causal LM (module paths unchanged, so hooks and the family registry work),
      every decoder layer and then the root wrapped by ``fully_shard`` on a 1-D mesh over the whole world,

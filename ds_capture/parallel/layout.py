@@ -1,9 +1,9 @@
-"""Parallel plan: world = dp x tp (plus ep over the same ranks), validated before any weight loads.
+"""Parallel layout: world = dp x tp (plus ep over the same ranks), validated before any weight loads.
 
 In:  world size and rank (from :class:`ds_capture.parallel.dist.DistEnv`), the TP / EP degrees (one source of
      truth: the YAML ``distributed`` section or the DeepSpeed JSON, see :func:`resolve_degrees`) and
      the target's head / expert counts.
-Out: a frozen :class:`ParallelPlan` that answers "my DP rank, my shards / samples, do I write, who is
+Out: a frozen :class:`ParallelLayout` that answers "my DP rank, my shards / samples, do I write, who is
      in my TP / DP / EP group", and (with a process group) :func:`new_groups` -> the group handles.
 
 Rank layout (documented contract, DESIGN §5):
@@ -25,7 +25,7 @@ from ds_capture.errors import CaptureError
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelLayout:
     """This rank's place in the dp x tp grid and in its EP group."""
 
     world_size: int
@@ -38,8 +38,8 @@ class ParallelPlan:
     ep_rank: int
 
     @staticmethod
-    def single() -> "ParallelPlan":
-        return ParallelPlan(world_size=1, rank=0, dp_size=1, tp_size=1, ep_size=1, dp_rank=0, tp_rank=0, ep_rank=0)
+    def single() -> "ParallelLayout":
+        return ParallelLayout(world_size=1, rank=0, dp_size=1, tp_size=1, ep_size=1, dp_rank=0, tp_rank=0, ep_rank=0)
 
     @property
     def is_writer(self) -> bool:
@@ -90,8 +90,8 @@ def shard_ranges(num_shards: int, dp_size: int) -> list[range]:
     return ranges
 
 
-def build_plan(*, world_size: int, rank: int, tp_size: int, ep_size: int, num_experts: int | None,
-               num_attention_heads: int, num_key_value_heads: int | None) -> ParallelPlan:
+def build_layout(*, world_size: int, rank: int, tp_size: int, ep_size: int, num_experts: int | None,
+               num_attention_heads: int, num_key_value_heads: int | None) -> ParallelLayout:
     """Validate the degrees against the world and the model, then place ``rank``.
 
     ``num_experts`` is None for a dense target; ``num_key_value_heads`` None means no GQA (= heads).
@@ -123,7 +123,7 @@ def build_plan(*, world_size: int, rank: int, tp_size: int, ep_size: int, num_ex
                            f"or {fix_degrees}.")
     if not 0 <= rank < world_size:
         raise CaptureError(f"rank {rank} is outside world_size {world_size}; the launcher environment is wrong.")
-    return ParallelPlan(world_size=world_size, rank=rank, dp_size=world_size // tp_size, tp_size=tp_size,
+    return ParallelLayout(world_size=world_size, rank=rank, dp_size=world_size // tp_size, tp_size=tp_size,
                         ep_size=ep_size, dp_rank=rank // tp_size, tp_rank=rank % tp_size, ep_rank=rank % ep_size)
 
 
@@ -184,7 +184,7 @@ class ParallelGroups:
     ep_group: Any
 
 
-def new_groups(plan: ParallelPlan) -> ParallelGroups:
+def new_groups(plan: ParallelLayout) -> ParallelGroups:
     """Create every TP, DP and EP group and return this rank's handles.
 
     Collective: ``torch.distributed.new_group`` must be called by every rank of the default group for

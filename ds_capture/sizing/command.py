@@ -29,7 +29,7 @@ import torch
 
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import build_plan, resolve_degrees
+from ds_capture.parallel.layout import build_layout, resolve_degrees
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.count import Layout, RankEstimate, Sizer, cache_estimate
@@ -234,7 +234,7 @@ def _validate_layout(target: TargetInfo, layout: Layout) -> None:
         raise CaptureError(
             f"engine: fsdp2 has no tensor or expert parallelism (got tp_size {layout.tp_size}, ep_size "
             f"{layout.ep_size}). Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed.")
-    build_plan(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
+    build_layout(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
                num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                num_key_value_heads=target.tp_key_value_heads)
 

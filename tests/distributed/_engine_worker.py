@@ -19,7 +19,7 @@ import torch
 
 from ds_capture.parallel.deepspeed_engine import build_sharded_model
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.parallel.layout import build_layout, new_groups
 from ds_capture.parallel.single import load_with_from_pretrained
 from ds_capture.target.families import get_submodule, read_target_info
 
@@ -63,7 +63,7 @@ def _first_moe_layer(model, family) -> int:
 def run_case(env, case: dict) -> dict:
     target = read_target_info(Path(case["target"]))
     dtype = DTYPES[case["dtype"]]
-    plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"], ep_size=case["ep_size"],
+    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"], ep_size=case["ep_size"],
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)
     groups = new_groups(plan)

@@ -53,13 +53,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
-        from ds_capture.parallel.layout import build_plan
+        from ds_capture.parallel.layout import build_layout
         from ds_capture.parallel.single import load_with_from_pretrained
         from ds_capture.target.families import read_target_info
 
         rank, world = dist.get_rank(), dist.get_world_size()
         target = read_target_info(args.target)
-        plan = build_plan(world_size=world, rank=rank, tp_size=1, ep_size=1, num_experts=target.num_experts,
+        plan = build_layout(world_size=world, rank=rank, tp_size=1, ep_size=1, num_experts=target.num_experts,
                           num_attention_heads=target.num_attention_heads,
                           num_key_value_heads=target.num_key_value_heads)
         sharded = build_fsdp2_model(target, plan, None, dtype=dtype, attn_implementation=None)

@@ -18,7 +18,7 @@ import torch
 from ds_capture.parallel.deepspeed_engine import build_sharded_model
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
-from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.parallel.layout import build_layout, new_groups
 from ds_capture.target.families import read_target_info
 
 
@@ -39,7 +39,7 @@ def main(cases_path: str, out_dir: str) -> None:
     with distributed_session(env, backend="gloo", timeout_minutes=5):
         for case in cases:
             target = read_target_info(Path(case["target"]))
-            plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"],
+            plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"],
                               ep_size=case["ep_size"], num_experts=target.num_experts,
                               num_attention_heads=target.num_attention_heads,
                               num_key_value_heads=target.num_key_value_heads)

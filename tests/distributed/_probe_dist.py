@@ -29,7 +29,7 @@ from ds_capture.parallel.dist import (  # noqa: E402
     repair_cpu_allreduce,
     shm_buffer_glob,
 )
-from ds_capture.parallel.layout import build_plan, new_groups  # noqa: E402
+from ds_capture.parallel.layout import build_layout, new_groups  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
         if args.tp:
             import deepspeed.comm as ds_dist
 
-            plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=args.tp, ep_size=1,
+            plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=args.tp, ep_size=1,
                               num_experts=None, num_attention_heads=4, num_key_value_heads=None)
             groups = new_groups(plan)
             if not args.no_repair:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.parallel.layout import build_plan, new_groups
+from ds_capture.parallel.layout import build_layout, new_groups
 from ds_capture.target.families import read_target_info
 
 
@@ -31,7 +31,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def build(case: dict, path: str, env, storage: str):
     target = read_target_info(Path(path))
-    plan = build_plan(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"], ep_size=case["ep_size"],
+    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"], ep_size=case["ep_size"],
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.num_key_value_heads)
     groups = new_groups(plan)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import build_plan
+from ds_capture.parallel.layout import build_layout
 from ds_capture.recipe.config import load_config
 from ds_capture.runner import _check_family_layout, run_capture
 from ds_capture.target.families import FAMILIES, get_family, read_target_info
@@ -277,7 +277,7 @@ def test_layout_refusals_before_loading(family_target, model_type, tp_size, ep_s
 def test_gemma4_expert_parallel_is_refused_as_dense(family_target):
     target = read_target_info(family_target("gemma4"))
     with pytest.raises(CaptureError) as caught:
-        build_plan(world_size=2, rank=0, tp_size=1, ep_size=2, num_experts=target.num_experts,
+        build_layout(world_size=2, rank=0, tp_size=1, ep_size=2, num_experts=target.num_experts,
                    num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads)
     assert str(caught.value) == ("ep_size 2 on a dense target: the model has no routed experts to shard. "
                                  "Set distributed.ep_size to 1.")

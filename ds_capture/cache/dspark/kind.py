@@ -33,7 +33,7 @@ from ds_capture.cache.dspark.writer import (
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.capture.safety import OutputLock, input_fingerprints
 from ds_capture.data.tokenization import chat_template_sha256
-from ds_capture.parallel.layout import ParallelPlan
+from ds_capture.parallel.layout import ParallelLayout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
 
@@ -60,7 +60,7 @@ class DSparkKind:
                                  source=cfg.source)
 
     def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer: Any,
-                       chat_template: str, num_samples: int, plan: ParallelPlan) -> Manifest:
+                       chat_template: str, num_samples: int, plan: ParallelLayout) -> Manifest:
         args, template = cfg.recipe_args, chat_template
         return Manifest(
             target_model=args.target_model_name_or_path,
@@ -91,7 +91,7 @@ class DSparkKind:
         _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
                         restart=restart)
 
-    def publish(self, prepared: Any, target: TargetInfo, plan: ParallelPlan, out_dir: Path, *,
+    def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
                 restart: bool) -> None:
         pass  # the target weights and the complete=false manifest were written by prepare_output
 

@@ -49,7 +49,7 @@ from ds_capture.cache.eagle3.writer import (
 from ds_capture.capture.safety import OutputLock, input_fingerprints
 from ds_capture.data.tokenization import pad_token_id
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import ParallelPlan
+from ds_capture.parallel.layout import ParallelLayout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
 
@@ -103,7 +103,7 @@ class Eagle3Kind:
         return resolve_aux_layer_ids(cfg.recipe_args.aux_layer_ids, target.num_hidden_layers, source=cfg.source)
 
     def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer,
-                       chat_template: str, num_samples: int, plan: ParallelPlan) -> Eagle3Manifest:
+                       chat_template: str, num_samples: int, plan: ParallelLayout) -> Eagle3Manifest:
         args = self.args
         # NeMo reads the specials after its dataset is built: a missing pad token is its fallback id.
         self.pad_id, self.eos_id = pad_token_id(tokenizer), getattr(tokenizer, "eos_token_id", None)
@@ -134,7 +134,7 @@ class Eagle3Kind:
             refuse_changed_inputs(out_dir, recorded, self.fingerprints)
         lock.acquire()
 
-    def publish(self, prepared: Any, target: TargetInfo, plan: ParallelPlan, out_dir: Path, *,
+    def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
                 restart: bool) -> None:
         args, manifest = self.args, prepared.manifest
         vocab_size = manifest.target_vocab_size

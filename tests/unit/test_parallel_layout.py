@@ -1,18 +1,18 @@
-"""ParallelPlan placement, shard / sample ranges, build_plan refusals (exact messages), resolve_degrees."""
+"""ParallelLayout placement, shard / sample ranges, build_layout refusals (exact messages), resolve_degrees."""
 
 from __future__ import annotations
 
 import pytest
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import ParallelPlan, build_plan, resolve_degrees, shard_ranges
+from ds_capture.parallel.layout import ParallelLayout, build_layout, resolve_degrees, shard_ranges
 
 DENSE = dict(num_experts=None, num_attention_heads=4, num_key_value_heads=2)
 MOE = dict(num_experts=8, num_attention_heads=4, num_key_value_heads=2)
 
 
 def plan(world_size, rank, tp_size=1, ep_size=1, model=DENSE):
-    return build_plan(world_size=world_size, rank=rank, tp_size=tp_size, ep_size=ep_size, **model)
+    return build_layout(world_size=world_size, rank=rank, tp_size=tp_size, ep_size=ep_size, **model)
 
 
 def test_shard_ranges_first_ranks_take_the_extra():
@@ -42,8 +42,8 @@ def test_sample_range_is_shard_aligned_and_tp_ranks_share_it():
     assert [plan(4, r, tp_size=2).sample_range(10, 3) for r in range(4)] == [range(0, 6), range(0, 6),
                                                                               range(6, 10), range(6, 10)]
     assert [plan(3, r).sample_range(2, 1) for r in range(3)] == [range(0, 1), range(1, 2), range(2, 2)]
-    assert ParallelPlan.single().sample_range(10, 4) == range(0, 10)
-    assert ParallelPlan.single().shard_range(3) == range(0, 3)
+    assert ParallelLayout.single().sample_range(10, 4) == range(0, 10)
+    assert ParallelLayout.single().shard_range(3) == range(0, 3)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -73,7 +73,7 @@ def test_sample_range_is_shard_aligned_and_tp_ranks_share_it():
 ])
 def test_build_plan_refusals(kwargs, message):
     with pytest.raises(CaptureError) as error:
-        build_plan(**kwargs)
+        build_layout(**kwargs)
     assert str(error.value) == message
 
 
