@@ -1,4 +1,4 @@
-"""The capture loop: config -> plan -> data -> engine -> hooks -> cache, in lockstep over all ranks.
+"""The capture loop: config -> layout -> data -> engine -> hooks -> cache, in lockstep over all ranks.
 
 In: a validated :class:`~ds_capture.recipe.config.RunConfig`. Out: a cache directory (DESIGN §3) and a
 :class:`RunSummary`. Everything a user can get wrong (config, target, layout, data rows, a

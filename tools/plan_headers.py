@@ -2,9 +2,11 @@
 
 Each block lists the ``ds-capture plan ...`` commands it was made from (the recipe with a typed-in release
 config.json from tests/fixtures/release_configs/); this reruns them and replaces the figures under each one.
-tests/unit/test_plan_recipes.py fails when a block differs from what plan says now.
+tests/unit/test_plan_recipes.py fails when a block differs from what plan says now, and when docs/sizing.md's
+table lacks a row of these runs.
 
-    python tools/plan_headers.py [--readme]   # --readme also prints the README's table of these runs
+    python tools/plan_headers.py [--table]   # --table also prints docs/sizing.md's table of these runs
+                                             # (--readme, its old name, still works)
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def main() -> None:
         new_text, runs = regenerate_header(text)
         recipe.write_text(new_text)
         print(f"{recipe.relative_to(REPO)}: {len(runs)} plan run(s)" + ("" if new_text == text else ", rewritten"))
-        table += [_readme_row(command, report) for command, report in runs]
-    if "--readme" in sys.argv:
+        table += [table_row(command, report) for command, report in runs]
+    if "--table" in sys.argv or "--readme" in sys.argv:
         print("\n".join(table))
 
 
-def _readme_row(command: str, report) -> str:
-    """One markdown row of the README's plan table (GiB per rank)."""
+def table_row(command: str, report) -> str:
+    """One markdown row of docs/sizing.md's plan table (GiB per rank)."""
     worst, gib = report.worst, 2**30
     kinds = [worst.param_bytes_by_kind[k] / gib for k in ("routed experts", "attention", "dense/shared MLP",
                                                           "embeddings + lm_head", "other")]

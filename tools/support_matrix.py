@@ -1,9 +1,10 @@
-"""Print the README's family x layout support table (markdown) from the test results and the registry.
+"""Print docs/support.md's family x layout support table (markdown) from the test results and the registry.
 
 In:  ``benchmarks/results/support_matrix.json``, written by ``tests/distributed/test_family_layouts.py`` (per
      family and layout: ``equal`` with the max relative diff vs one process, ``differs``, or ``refused`` with the
      reason), and the refusals declared in ``ds_capture.target.families.FAMILIES``.
 Out: a markdown table on stdout; a layout with no test result and no declared refusal reads "untested".
+     Paste it over the table in docs/support.md: tests/unit/test_docs.py fails while the page differs.
 
     python -m pytest tests/unit/test_families.py tests/distributed/test_family_layouts.py
     python tools/support_matrix.py            # or: --results path/to/support_matrix.json

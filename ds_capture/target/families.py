@@ -86,7 +86,7 @@ class Family:
     """Checkpoint keys under this prefix are the built model's (prefix stripped); all other keys (a vision tower
     stored next to it) are skipped, never read. Empty: every key is the model's."""
     caveat: str = ""
-    """A limit of the family's cache the user should know (shown in the README's support table)."""
+    """A limit of the family's cache the user should know (shown in docs/support.md's support table)."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     """Our own tensor-parallel plan instead of AutoTP (:mod:`ds_capture.parallel.tensor_parallel`): decoder-layer-
     relative paths -> ``colwise`` (output rows split) / ``gathered`` (input all-gathered, output rows split,

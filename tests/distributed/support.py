@@ -1,7 +1,7 @@
 """Records which family x layout combinations the distributed tests showed equal to the single process.
 
 Tests call ``record``; ``tools/support_matrix.py`` renders ``benchmarks/results/support_matrix.json`` as the
-README's support table, so the table comes from the test matrix rather than from hand edits.
+support table in docs/support.md, so the table comes from the test matrix rather than from hand edits.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ randomised), 8 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``, fp32, and compares it 
 ``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``.
 
 Every outcome (equal with its max diff, or the refusal text) is recorded in
-``benchmarks/results/support_matrix.json``, which ``tools/support_matrix.py`` turns into the README table.
+``benchmarks/results/support_matrix.json``, which ``tools/support_matrix.py`` turns into the table in docs/support.md.
 """
 
 from __future__ import annotations

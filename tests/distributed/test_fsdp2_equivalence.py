@@ -85,7 +85,7 @@ def test_fsdp2_world2_cache_equals_single_process(tiny_target, tmp_path: Path, m
     fsdp2, single = _fsdp2_cache(tmp_path, target, 2), _single_cache(tmp_path, target)
     _assert_equal(fsdp2, single, 2)
     record(model_type, "fsdp2", {"status": "equal", "max_rel_diff": max_rel_diff(single, fsdp2), "nproc": 2,
-                                 "tp_size": 1, "ep_size": 1})  # the README table's FSDP2 column
+                                 "tp_size": 1, "ep_size": 1})  # docs/support.md's FSDP2 column
 
 
 @pytest.mark.timeout(240)

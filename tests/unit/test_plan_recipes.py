@@ -1,5 +1,6 @@
 """The real-target recipes in configs/ are checked facts: each fits the 8 x 80 GB nodes its header names, and the
-"# ds-capture plan says:" block of its header is exactly what ``ds-capture plan`` prints now.
+"# ds-capture plan says:" block of its header is exactly what ``ds-capture plan`` prints now, and docs/sizing.md's
+table holds the row ``tools/plan_headers.py --table`` prints for each of the block's runs.
 
 The targets are the releases' published sizes, typed into tests/fixtures/release_configs/<name>/config.json
 (no weights). A block that drifts from plan's output fails here; ``python tools/plan_headers.py`` rewrites it.
@@ -8,6 +9,7 @@ The targets are the releases' published sizes, typed into tests/fixtures/release
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from ds_capture.recipe.config import load_config
 from ds_capture.sizing.report import BLOCK_START
 
 REPO = Path(__file__).resolve().parents[2]
+SIZING_PAGE = REPO / "docs" / "sizing.md"
 GPU_GIB = 79.6  # an 80 GB H100 / A100 as torch reports it
 TINY_RECIPES = {"demo.yaml", "demo_eagle3.yaml", "tiny_moe_tp2_ep2.yaml"}
 # recipe -> (release config, nodes of 8 GPUs, tp_size, ep_size, experts' storage) for every target its header
@@ -40,6 +43,14 @@ def test_every_real_target_recipe_is_checked():
         assert BLOCK_START in (REPO / "configs" / name).read_text().split("\n"), name
 
 
+def _table_row():
+    """``tools/plan_headers.py``'s row renderer (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("plan_headers", REPO / "tools" / "plan_headers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.table_row
+
+
 @pytest.mark.parametrize("recipe", sorted(SERVES))
 def test_recipe_fits_its_nodes_and_its_header_is_plans_output(recipe, monkeypatch):
     monkeypatch.chdir(REPO)  # the header's commands use repository-relative paths
@@ -47,6 +58,10 @@ def test_recipe_fits_its_nodes_and_its_header_is_plans_output(recipe, monkeypatc
     regenerated, runs = regenerate_header(text)
     assert regenerated == text, "the plan block is stale; run python tools/plan_headers.py:\n" + "\n".join(
         difflib.unified_diff(text.split("\n"), regenerated.split("\n"), lineterm="", n=0))
+    table_row, page = _table_row(), SIZING_PAGE.read_text().split("\n")
+    missing = [table_row(command, report) for command, report in runs if table_row(command, report) not in page]
+    assert not missing, ("docs/sizing.md's plan table lacks these rows; paste them from "
+                         "python tools/plan_headers.py --table:\n" + "\n".join(missing))
 
     recipe_cfg = load_config(REPO / "configs" / recipe)
     title = " ".join(line.lstrip("# ") for line in text.split("\n")[:3])

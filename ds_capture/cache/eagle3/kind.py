@@ -221,7 +221,7 @@ class Eagle3Kind:
         write_complete(out_dir, manifest)
 
 
-# NeMo's `precompute_eagle3` flags -> this project's YAML keys (one to one; README "cache kinds").
+# NeMo's `precompute_eagle3` flags -> this project's YAML keys (one to one; docs/cache_formats.md "Cache kinds").
 # Flags with no key here: --device (ours follows the launcher / CUDA), --resume (ours resumes by
 # default; --restart recomputes), --log-level; --num-workers is accepted and unused, as for DSpark.
 NEMO_EAGLE3_FLAGS: dict[str, str] = {
