@@ -3,7 +3,7 @@
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it.
 
-    ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart | --verify-checksums]
+    ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
