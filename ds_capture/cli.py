@@ -3,7 +3,7 @@
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it.
 
-    ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256
+    ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
                      help="override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
     run.add_argument("--restart", action="store_true", help="recompute every shard even where valid ones exist")
+    run.add_argument("--verify-checksums", action="store_true",
+                     help="over a cache marked complete, also re-hash every shard against its checksum sidecar "
+                          "(finds a changed byte; reads the whole cache) before recomputing only the damaged ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
@@ -133,7 +136,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ds_capture.runner import run_capture
 
     cfg = load_config(args.config, args.overrides)
-    summary = run_capture(cfg, restart=args.restart, show_progress=not args.no_progress)
+    summary = run_capture(cfg, restart=args.restart, verify_checksums=args.verify_checksums,
+                          show_progress=not args.no_progress)
     if _is_rank0():
         print(summary.format())
     return 0

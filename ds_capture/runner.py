@@ -77,6 +77,8 @@ class RunSummary:
     """Their blocks on disk (``st_blocks * 512``): below ``logical_bytes`` where padding tails are holes."""
     writer_busy_seconds: float = 0.0
     """This rank's writer time spent writing (the rest of the loop it waited for work)."""
+    rerun_check: str = ""
+    """Rank 0: what the rerun check of a cache marked complete found (empty where it was not marked complete)."""
 
     @property
     def padding_fraction(self) -> float:
@@ -89,7 +91,9 @@ class RunSummary:
 
     def format(self) -> str:
         if not self.published:
-            return f"{self.output_dir} already holds this complete cache ({self.num_samples} samples); nothing to do"
+            checked = f"; {self.rerun_check}" if self.rerun_check else ""
+            return (f"{self.output_dir} already holds this complete cache ({self.num_samples} samples{checked}); "
+                    "nothing to do")
         if self.shards_written == 0 and self.shards_skipped == self.num_shards:
             return (f"all {self.num_shards} shards of {self.output_dir} were already done; published the manifest "
                     f"(complete: true) for {self.num_samples} samples")
@@ -102,8 +106,13 @@ class RunSummary:
         )
 
 
-def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = True) -> RunSummary:
-    """Run one capture described by ``cfg``; every rank of the job calls this."""
+def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool = False,
+                show_progress: bool = True) -> RunSummary:
+    """Run one capture described by ``cfg``; every rank of the job calls this.
+
+    ``restart`` recomputes every shard. Otherwise finished shards are kept, and over a cache marked complete
+    each shard is first checked from its header and sidecar (``verify_checksums``: re-hashed too), and only
+    the damaged ones are recomputed (:mod:`ds_capture.cache.common.rerun_check`)."""
     args = cfg.recipe_args
     env = discover_env()
     target = read_target_info(args.target_path)
@@ -126,7 +135,8 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
         with FailFast(plan.rank), _peer_failures():
-            return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
+            return _run(cfg, target, layer_ids, plan, restart=restart, verify_checksums=verify_checksums,
+                        show_progress=show_progress)
 
 
 def select_cache_kind(cfg: RunConfig) -> CacheKind:
@@ -150,7 +160,7 @@ def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None
 
 
 def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, *,
-         restart: bool, show_progress: bool) -> RunSummary:
+         restart: bool, verify_checksums: bool, show_progress: bool) -> RunSummary:
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
@@ -176,14 +186,15 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             error = None
             if plan.is_manifest_writer:
                 try:
-                    _prepare_output_dir(kind, target, prepared, out_dir, lock, restart=restart)
+                    _prepare_output_dir(kind, target, prepared, out_dir, lock, restart=restart,
+                                        verify_checksums=verify_checksums)
                 except Exception as caught:  # noqa: BLE001
                     error = caught
             agree_on_error(error)
             # The kind's collective preparation (EAGLE-3: the draft vocabulary over all DP ranks), then
             # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
             try:
-                kind.publish(prepared, target, plan, out_dir, restart=restart)
+                kind.publish(prepared, target, plan, out_dir, restart=restart, verify_checksums=verify_checksums)
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
@@ -211,7 +222,8 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)
         return RunSummary(output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
-                          seconds=time.perf_counter() - started, published=False)
+                          seconds=time.perf_counter() - started, published=False,
+                          rerun_check=prepared.rerun_check)
 
     if loading is not None:
         model = loading.result()
@@ -305,9 +317,10 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
 
 
 def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
-                        lock: OutputLock, *, restart: bool) -> None:
+                        lock: OutputLock, *, restart: bool, verify_checksums: bool) -> None:
     try:
-        kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart)
+        kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart,
+                            verify_checksums=verify_checksums)
     except OSError as error:
         raise output_error(out_dir, error) from error
 
@@ -334,6 +347,7 @@ class _Prepared:
     max_tokens: int = 0
     done: set = field(default_factory=set)
     already_complete: bool = False
+    rerun_check: str = ""
 
 
 @dataclass(frozen=True)

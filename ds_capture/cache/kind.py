@@ -34,11 +34,17 @@ class CacheKind(Protocol):
         """This run's manifest (EAGLE-3: without its vocabulary until :meth:`publish`)."""
 
     def prepare_output(self, prepared: Any, target: Any, out_dir: Path, data_path: Path, lock: Any, *,
-                       restart: bool) -> None:
+                       restart: bool, verify_checksums: bool) -> None:
         """Rank 0, before any collective: refuse a foreign or changed directory, take the lock."""
 
-    def publish(self, prepared: Any, target: Any, plan: Any, out_dir: Path, *, restart: bool) -> None:
-        """Every rank, after the data agreed: collectives, then rank 0's pre-shard files and finished shards."""
+    def publish(self, prepared: Any, target: Any, plan: Any, out_dir: Path, *, restart: bool,
+                verify_checksums: bool) -> None:
+        """Every rank, after the data agreed: collectives, then rank 0's pre-shard files and finished shards.
+
+        Whichever of the two finds the finished shards (``prepared.done``) runs the rerun check
+        (:mod:`ds_capture.cache.common.rerun_check`) on a cache marked complete: a damaged shard is taken out of
+        ``done`` and the completion mark withdrawn until it is rewritten; ``verify_checksums`` re-hashes
+        every shard too. ``prepared.rerun_check`` says what the check found."""
 
     def start(self, target: Any, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any,
               writes: bool) -> None:

@@ -11,6 +11,7 @@ with ``complete: true`` at the end. Its sibling is :mod:`ds_capture.cache.eagle3
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
 from ds_capture.cache.common.names import DTYPES, MANIFEST_NAME
+from ds_capture.cache.common.rerun_check import check_complete_cache
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.dspark.writer import (
@@ -36,6 +38,8 @@ from ds_capture.data.tokenization import chat_template_sha256
 from ds_capture.parallel.layout import ParallelLayout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
+
+_LOG = logging.getLogger("ds_capture")
 
 
 class DSparkKind:
@@ -87,12 +91,12 @@ class DSparkKind:
         )
 
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
-                       *, restart: bool) -> None:
+                       *, restart: bool, verify_checksums: bool) -> None:
         _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
-                        restart=restart)
+                        restart=restart, verify_checksums=verify_checksums)
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
-                restart: bool) -> None:
+                restart: bool, verify_checksums: bool) -> None:
         pass  # the target weights and the complete=false manifest were written by prepare_output
 
     def start(self, target: TargetInfo, *, device: torch.device, compute_dtype: torch.dtype, manifest: Any,
@@ -140,9 +144,10 @@ def _reduced_depth(target: TargetInfo) -> dict:
 
 
 def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
-                    cache_dtype: str, restart: bool) -> None:
-    """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards,
-    and (unless complete) write the target weights and the manifest with complete=false."""
+                    cache_dtype: str, restart: bool, verify_checksums: bool) -> None:
+    """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards
+    (of a complete cache: those that pass the rerun check), and unless every one is finished and the manifest
+    says complete, write the target weights and the manifest with complete=false."""
     fingerprints = input_fingerprints(data_path, target.path)
     manifest = prepared.manifest = replace(
         prepared.manifest, bookkeeping={**prepared.manifest.bookkeeping, "inputs": fingerprints})
@@ -151,6 +156,14 @@ def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path:
         refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
     lock.acquire()
     prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
+    if existing is not None and existing.complete and not restart:
+        # complete: true says every shard was written, not that it is still there: check before "nothing to do".
+        check = check_complete_cache(out_dir, manifest, checksums=verify_checksums)
+        prepared.rerun_check = check.describe()
+        if not check.ok:
+            _LOG.warning("%s is marked complete, but %s; its manifest says complete: false until they are written",
+                         out_dir, prepared.rerun_check)
+            prepared.done -= set(check.damaged)
     prepared.already_complete = (len(prepared.done) == manifest.num_shards and existing is not None
                                  and existing.complete and not restart)
     if not prepared.already_complete:

@@ -16,6 +16,7 @@ Per micro-batch (EAGLE3_CACHE.md §3): ``input_ids`` / ``loss_mask`` shifted lef
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES
+from ds_capture.cache.common.rerun_check import check_complete_cache
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
 from ds_capture.cache.common.verify import padding_lengths
 from ds_capture.cache.eagle3.draft_distribution import (
@@ -52,6 +54,8 @@ from ds_capture.errors import CaptureError
 from ds_capture.parallel.layout import ParallelLayout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
+
+_LOG = logging.getLogger("ds_capture")
 
 # The model's own last-position logits must equal lm_head(final norm output) within this (x max |logit|):
 # summation order across TP ranks aside, a family that post-processes its logits fails it loudly.
@@ -125,7 +129,7 @@ class Eagle3Kind:
         )
 
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
-                       *, restart: bool) -> None:
+                       *, restart: bool, verify_checksums: bool) -> None:
         """Rank 0, read-only until the lock: every identity field but the (not yet counted) vocabulary."""
         self.fingerprints = input_fingerprints(data_path, target.path)
         existing = check_eagle3_output_dir(out_dir, prepared.manifest, skip=VOCAB_FIELDS)
@@ -135,7 +139,7 @@ class Eagle3Kind:
         lock.acquire()
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
-                restart: bool) -> None:
+                restart: bool, verify_checksums: bool) -> None:
         args, manifest = self.args, prepared.manifest
         vocab_size = manifest.target_vocab_size
         if args.draft_vocab_size is None or args.draft_vocab_size >= vocab_size:
@@ -157,7 +161,15 @@ class Eagle3Kind:
                                                   skip=VOCAB_FIELDS if restart else ())
         prepared.already_complete = not restart and is_complete(out_dir, manifest)
         if prepared.already_complete:
-            return
+            # complete.json says every shard was written, not that it is still there: check before "nothing to do".
+            check = check_complete_cache(out_dir, manifest, checksums=verify_checksums)
+            prepared.rerun_check = check.describe()
+            if check.ok:
+                return
+            _LOG.warning("%s is marked complete, but %s; %s/%s is removed until they are written", out_dir,
+                         prepared.rerun_check, BOOKKEEPING_DIR, COMPLETE_NAME)
+            prepared.done -= set(check.damaged)
+            prepared.already_complete = False
         # Until every shard is in, the directory must not look complete (a rerun rewrites it).
         (Path(out_dir) / BOOKKEEPING_DIR / COMPLETE_NAME).unlink(missing_ok=True)
         embed, _lm_head = read_target_weights(target)
