@@ -47,6 +47,7 @@ from ds_capture.dist import (
 from ds_capture.engine import build_model
 from ds_capture.errors import CaptureError
 from ds_capture.families import TargetInfo, read_target_info
+from ds_capture.liveness import Liveness
 from ds_capture.plan import ParallelPlan, build_plan, new_groups, resolve_degrees
 from ds_capture.progress import Progress, collective_device
 from ds_capture.safety import FailFast, OutputLock
@@ -124,8 +125,9 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, show_progress: bool = 
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
-        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
-        with FailFast(plan.rank), _peer_failures():
+        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
+        # Liveness within heartbeat_timeout_seconds of a rank (or the store's host) that stops answering.
+        with FailFast(plan.rank), Liveness(env, limit_s=cfg.dist_env.heartbeat_timeout_seconds), _peer_failures():
             return _run(cfg, target, layer_ids, plan, restart=restart, show_progress=show_progress)
 
 

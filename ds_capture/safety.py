@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ds_capture.cache.format import BOOKKEEPING_DIR
 from ds_capture.errors import CaptureError
+from ds_capture.liveness import refuse_if_frozen
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -37,6 +38,8 @@ STARTING_GRACE_S = 60.0
 HEARTBEAT_S = 30.0
 POLL_S = 1.0
 _ABORT_KEY = "ds_capture/abort"
+# Locks this process holds, for a stop that cannot unwind (a watchdog's os._exit): see release_held_locks.
+_HELD: set["OutputLock"] = set()
 
 
 class OutputLock:
@@ -61,10 +64,12 @@ class OutputLock:
                 json.dump(record, handle)
             self._thread = threading.Thread(target=self._heartbeat, name="ds_capture-lock", daemon=True)
             self._thread.start()
+            _HELD.add(self)
             return
         raise CaptureError(f"could not take the lock {self.path}; another job is starting in the same directory.")
 
     def release(self) -> None:
+        _HELD.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -118,6 +123,15 @@ class OutputLock:
             _LOG.warning("reclaiming a stale lock %s left by a dead job (host %s, pid %s, last heartbeat %.0f s ago)",
                          self.path, holder.get("host"), holder.get("pid"), age)
             self.path.unlink(missing_ok=True)
+
+
+def release_held_locks() -> None:
+    """Remove the lock files this process holds, from any thread, without joining anything: for a rank that
+    stops with ``os._exit`` because a peer stopped answering, so the rerun it asks for can start at once."""
+    for lock in list(_HELD):
+        lock._stop.set()
+        lock.path.unlink(missing_ok=True)
+        _HELD.discard(lock)
 
 
 @contextmanager
@@ -188,6 +202,7 @@ class FailFast:
 
     def publish(self, error: BaseException) -> None:
         message = str(error) if isinstance(error, CaptureError) else f"{type(error).__name__}: {error}"
+        refuse_if_frozen()  # a rank woken after its peers gave up publishes nothing
         try:
             if not self.store.check([_ABORT_KEY]):
                 self.store.set(_ABORT_KEY, json.dumps({"rank": self.rank, "message": message}))
@@ -196,6 +211,7 @@ class FailFast:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
+            refuse_if_frozen()  # woken from a freeze: the store's silence is its own peers' verdict, not news
             try:
                 if not self.store.check([_ABORT_KEY]):
                     continue

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from ds_capture.liveness import refuse_if_frozen
+
 ROWS_DIGEST = "xxh3-128-rows"
 """Tag of the checksum defined in the module docstring (sidecars say which algorithm they hold)."""
 
@@ -183,6 +185,7 @@ class ShardFile:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+            refuse_if_frozen()  # a rank woken after its peers gave up renames nothing into place
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()

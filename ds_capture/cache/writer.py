@@ -46,6 +46,7 @@ from ds_capture.cache.format import (
 )
 from ds_capture.cache.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest, fsync_dir
 from ds_capture.errors import CaptureError
+from ds_capture.liveness import refuse_if_frozen
 
 TMP_SUFFIX = ".tmp"
 _MAX_LISTED = 5
@@ -74,6 +75,7 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        refuse_if_frozen()  # a rank woken after its peers gave up renames nothing into place
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
