@@ -12,7 +12,8 @@ Two ways to kill, mixed by the crash tests and ``benchmarks/soak.py``:
   ``flip``      after every shard, before ``manifest.json`` is flipped to ``complete: true``;
   ``after_flip`` right after the flip, before the process exits.
 
-  With ``DS_CAPTURE_TEST_NO_SHM=1`` the script also skips DeepSpeed's shm op (see :func:`disable_shm_op`).
+  A fourth field ``raise`` raises instead of dying; ``stop`` SIGSTOPs the rank there (a frozen rank: the liveness
+  tests wake it with SIGCONT or end it with SIGKILL). With ``DS_CAPTURE_TEST_NO_SHM=1`` the script also skips DeepSpeed's shm op (see :func:`disable_shm_op`).
 
   :func:`install_kill` applies the same switch in-process (the single-process tests fork and call it).
 - **From outside** (seeded): :func:`launch` starts a launcher in its own session and
@@ -63,13 +64,18 @@ class InjectedFailure(RuntimeError):
 
 def install_kill(spec: str) -> None:
     """Patch ds_capture so this process SIGKILLs itself at ``<point>:<k>:<ranks>`` (see module docstring);
-    with a fourth field ``raise`` it raises :class:`InjectedFailure` there instead."""
+    with a fourth field ``raise`` it raises :class:`InjectedFailure` there instead, with ``stop`` it SIGSTOPs."""
     point, k, ranks, *action = spec.split(":")
     k = int(k)
     fail = _die
     if action == ["raise"]:
         def fail() -> None:
             raise InjectedFailure(f"injected failure at {point} #{k} on rank {_this_rank()}")
+    elif action == ["stop"]:
+        def fail() -> None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; SIGCONT resumes right here
     if point not in POINTS:
         raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
     if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
@@ -213,12 +219,14 @@ def disable_shm_op() -> None:
 
 def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
                      timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
-                     cli_argv: list[str] | None = None) -> dict:
+                     cli_argv: list[str] | None = None,
+                     watch: Callable[[list[int], dict[int, int]], None] | None = None) -> dict:
     """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
     environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
 
     Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``) after ``install_kill(kill)``;
-    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. Returns
+    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. ``watch(pids,
+    statuses)`` is called every poll (rank -> pid, pid -> wait status of the ranks that ended so far). Returns
     ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
     is its terminating signal (0 if it exited) and ``summary`` is rank 0's ``RunSummary`` fields.
     """
@@ -276,6 +284,8 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
     deadline = started + timeout_s
     killed_by_parent = False
     while len(status) < world_size and time.monotonic() < deadline:
+        if watch is not None:
+            watch(pids, status)
         if kill_when_cond is not None and not killed_by_parent and kill_when_cond():
             for pid in pids:
                 if pid not in status:
