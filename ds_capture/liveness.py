@@ -135,25 +135,31 @@ class Liveness:
         if now - self._last_published > self.limit_s:
             if frozen:
                 self._exit_frozen(now)
-            self._give_up_on_store(now)
+            self._give_up_on_store(now - self._last_published)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s / 2):
             now = self._clock()
             self.judge()
             self._last_watch = now
-            if now - self._last_store_ok > self.limit_s:
-                self._give_up_on_store(now)
+            store_silent = now - self._last_store_ok
+            if store_silent > self.limit_s:
+                self._give_up_on_store(store_silent)
             for peer in self.watched:
-                if self._seen.get(peer) != DONE.encode() and now - self._changed[peer] > self.limit_s:
-                    self._give_up({"rank": peer, "host": self._hosts.get(peer, "unknown host"),
-                                   "seconds": round(now - self._changed[peer], 1)})
+                stale = now - self._changed[peer]
+                if self._seen.get(peer) == DONE.encode() or stale <= self.limit_s:
+                    continue
+                if store_silent > min(2 * self.interval_s + 1, self.limit_s / 2):
+                    # The beat thread is stuck in a store call: the store's host froze, and that is why no
+                    # heartbeat arrives (a peer's heartbeat is read a little before the store's last answer).
+                    self._give_up_on_store(max(stale, store_silent))
+                self._give_up({"rank": peer, "host": self._hosts.get(peer, "unknown host"), "seconds": round(stale, 1)})
 
-    def _give_up_on_store(self, now: float) -> None:
+    def _give_up_on_store(self, seconds: float) -> None:
         # torchrun hosts the store in its agent process (rank 0 then is watched like any rank); else rank 0 does.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self._give_up({"rank": 0, "host": self._hosts.get(0, self.env.master_addr),
-                       "seconds": round(now - self._last_store_ok, 1),
+                       "seconds": round(seconds, 1),
                        "store": f"{self.env.master_addr}:{self.env.master_port}",
                        "store_host": "torchrun's agent" if agent else "rank 0"},
                       publish=False)  # nobody can read a store that does not answer

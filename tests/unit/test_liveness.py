@@ -2,7 +2,7 @@
 played by the test. A neighbour that stops beating, a verdict published by another rank, a store that stops
 answering (its host frozen) and this rank waking from a freeze each end the rank with RERUN_EXIT_CODE and the
 exact message; the frozen rank publishes nothing. The config key is validated; real frozen ranks are
-tests/distributed/test_liveness.py's."""
+tests/distributed/test_frozen_ranks.py's."""
 
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ def no_active_liveness():
     liveness._ACTIVE = None
 
 
-def beat_forever(store, key: str, stop: threading.Event) -> threading.Thread:
-    """A live peer: its counter changes every 0.05 s until ``stop``."""
+def beat_forever(store, key: str, stop: threading.Event, period_s: float = 0.05) -> threading.Thread:
+    """A live peer: its counter changes every ``period_s`` until ``stop``."""
     def run() -> None:
         count = 0
-        while not stop.wait(0.05):
+        while not stop.wait(period_s):
             count += 1
             store.set(key, str(count))
 
@@ -136,10 +136,15 @@ def test_a_store_that_stops_answering_names_rank_0_and_its_host(capfd):
     """The store's host (rank 0) froze: every store call hangs; the watch thread, which never calls it, decides."""
     store, exits, stop = FrozenableStore(), Exits(), threading.Event()
     store.set("ds_capture/liveness/1/host/0", "node-a")
-    beat_forever(store.inner, "ds_capture/liveness/1/beat/0", stop)
+    # Rank 0 beats slower than rank 1 reads (as with equal intervals, out of phase): its last change is seen
+    # up to 0.4 s before the store's last answer.
+    beat_forever(store.inner, "ds_capture/liveness/1/beat/0", stop, period_s=0.4)
     try:
         with Liveness(env(1, 2), limit_s=LIMIT_S, store=store, exit=exits):
-            time.sleep(0.3)  # a few good rounds: rank 0's host is read
+            time.sleep(1.0)  # a few good rounds: rank 0's host is read
+            # Its heartbeat stops with its store (read a little before the store's last answer, so the heartbeat
+            # goes stale first): the message must still name the store, the reason no heartbeat arrives.
+            stop.set()
             store.freeze()
             frozen_at = time.monotonic()
             assert exits.called.wait(timeout=10)
