@@ -142,15 +142,21 @@ def install_kill(spec: str) -> None:
 def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None, log_path: Path
            ) -> tuple[subprocess.Popen, int]:
     """Start ``argv`` on ``nproc`` ranks through launcher ``kind`` in a new session; (process, master port)."""
-    from tests.distributed.launchers import child_env, free_port, launcher_commands, REPO_ROOT
+    from tests.distributed.launchers import PORTS_ENV, child_env, launcher_commands, reserve_ports, REPO_ROOT
 
-    port = free_port()
+    reservation = reserve_ports()
+    port = reservation.__enter__()  # held until wait_and_reap: no other test can take the port meanwhile
+    _RESERVED[port] = reservation
+    env = {**(env or {}), PORTS_ENV: f"{port}:1"}
     workdir = Path(tempfile.mkdtemp(prefix="ds_capture_kill_"))
     (command,) = launcher_commands(kind, nproc, argv, port, workdir)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return proc, port
+
+
+_RESERVED: dict = {}  # port -> its reservation, for launch() / wait_and_reap()
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -194,6 +200,8 @@ def wait_and_reap(proc: subprocess.Popen, port: int, timeout_s: float) -> int:
     kill_group(proc)  # ranks a launcher left behind die with their session
     for path in shm_buffers(port):
         Path(path).unlink(missing_ok=True)
+    if port in _RESERVED:
+        _RESERVED.pop(port).__exit__(None, None, None)
     return code
 
 
@@ -230,11 +238,21 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
     ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
     is its terminating signal (0 if it exited) and ``summary`` is rank 0's ``RunSummary`` fields.
     """
+    from tests.distributed.launchers import reserve_ports
+
+    # The port stays reserved until every rank is reaped (forked ranks also inherit the reservation's flock).
+    with reserve_ports() as port:
+        return _run_forked_ranks(port, world_size, cfg_path, kill=kill, log_path=log_path, timeout_s=timeout_s,
+                                 kill_when_cond=kill_when_cond, cli_argv=cli_argv, watch=watch)
+
+
+def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str | None, log_path: Path,
+                      timeout_s: float, kill_when_cond: Callable[[], bool] | None, cli_argv: list[str] | None,
+                      watch: Callable[[list[int], dict[int, int]], None] | None) -> dict:
     import json
 
-    from tests.distributed.launchers import free_port, shm_buffers
+    from tests.distributed.launchers import shm_buffers
 
-    port = free_port()
     summary_path = Path(log_path).with_suffix(".summary.json")
     summary_path.unlink(missing_ok=True)
     pids = []
