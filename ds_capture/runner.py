@@ -29,6 +29,7 @@ from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
 from ds_capture.capture.hooks import capture_hidden_states
+from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.progress import Progress, collective_device
 from ds_capture.capture.safety import FailFast, OutputLock
 from ds_capture.data.tokenization import (
@@ -133,8 +134,9 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool
     with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
-        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout).
-        with FailFast(plan.rank), _peer_failures():
+        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
+        # Liveness within heartbeat_timeout_seconds of a rank (or the store's host) that stops answering.
+        with FailFast(plan.rank), Liveness(env, limit_s=cfg.dist_env.heartbeat_timeout_seconds), _peer_failures():
             return _run(cfg, target, layer_ids, plan, restart=restart, verify_checksums=verify_checksums,
                         show_progress=show_progress)
 

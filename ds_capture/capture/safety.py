@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ds_capture.capture.liveness import HELD_LOCKS, refuse_if_frozen
 from ds_capture.errors import CaptureError
 
 _LOG = logging.getLogger("ds_capture")
@@ -63,15 +64,23 @@ class OutputLock:
                 json.dump(record, handle)
             self._thread = threading.Thread(target=self._heartbeat, name="ds_capture-lock", daemon=True)
             self._thread.start()
+            HELD_LOCKS.add(self)
             return
         raise CaptureError(f"could not take the lock {self.path}; another job is starting in the same directory.")
 
     def release(self) -> None:
+        HELD_LOCKS.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self.path.unlink(missing_ok=True)
             self._thread = None
+
+    def abandon(self) -> None:
+        """Remove the lock file from any thread, joining nothing: for a rank that stops with ``os._exit``."""
+        self._stop.set()
+        self.path.unlink(missing_ok=True)
+        HELD_LOCKS.discard(self)
 
     def __enter__(self) -> "OutputLock":
         self.acquire()
@@ -190,6 +199,7 @@ class FailFast:
 
     def publish(self, error: BaseException) -> None:
         message = str(error) if isinstance(error, CaptureError) else f"{type(error).__name__}: {error}"
+        refuse_if_frozen()  # a rank woken after its peers gave up publishes nothing
         try:
             if not self.store.check([_ABORT_KEY]):
                 self.store.set(_ABORT_KEY, json.dumps({"rank": self.rank, "message": message}))
@@ -198,6 +208,7 @@ class FailFast:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
+            refuse_if_frozen()  # woken from a freeze: the store's silence is its own peers' verdict, not news
             try:
                 if not self.store.check([_ABORT_KEY]):
                     continue

@@ -42,12 +42,21 @@ class DistEnvConfig:
     """``gloo`` or ``nccl``; default: nccl when CUDA is present, else gloo."""
     timeout_minutes: int = 30
     """Collective timeout."""
+    heartbeat_timeout_seconds: float = 120.0
+    """A rank whose heartbeat is older than this (frozen, its host unreachable) is dead: every other rank stops
+    with ``RERUN_EXIT_CODE`` within this plus a few seconds. Heartbeats come from a thread, so they continue
+    through model loading; keep it well above the longest stall of a healthy rank (GIL-holding calls)."""
 
     def __post_init__(self) -> None:
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"must be 'gloo' or 'nccl', got {self.backend!r}", "backend")
         if self.timeout_minutes < 1:
             raise ValueError(f"must be >= 1, got {self.timeout_minutes}", "timeout_minutes")
+        # Below a second, a loaded host's scheduling jitter alone would look like a frozen rank.
+        if not 1 <= self.heartbeat_timeout_seconds <= 60 * self.timeout_minutes:
+            raise ValueError(f"must be between 1 and the collective timeout ({60 * self.timeout_minutes} s, "
+                             f"dist_env.timeout_minutes), got {self.heartbeat_timeout_seconds:g}",
+                             "heartbeat_timeout_seconds")
 
 
 @dataclass(frozen=True, kw_only=True)

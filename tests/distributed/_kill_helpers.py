@@ -12,7 +12,8 @@ Two ways to kill, mixed by the crash tests and ``benchmarks/soak.py``:
   ``flip``      after every shard, before ``manifest.json`` is flipped to ``complete: true``;
   ``after_flip`` right after the flip, before the process exits.
 
-  With ``DS_CAPTURE_TEST_NO_SHM=1`` the script also skips DeepSpeed's shm op (see :func:`disable_shm_op`).
+  A fourth field ``raise`` raises instead of dying; ``stop`` SIGSTOPs the rank there (a frozen rank: the liveness
+  tests wake it with SIGCONT or end it with SIGKILL). With ``DS_CAPTURE_TEST_NO_SHM=1`` the script also skips DeepSpeed's shm op (see :func:`disable_shm_op`).
 
   :func:`install_kill` applies the same switch in-process (the single-process tests fork and call it).
 - **From outside** (seeded): :func:`launch` starts a launcher in its own session and
@@ -63,13 +64,18 @@ class InjectedFailure(RuntimeError):
 
 def install_kill(spec: str) -> None:
     """Patch ds_capture so this process SIGKILLs itself at ``<point>:<k>:<ranks>`` (see module docstring);
-    with a fourth field ``raise`` it raises :class:`InjectedFailure` there instead."""
+    with a fourth field ``raise`` it raises :class:`InjectedFailure` there instead, with ``stop`` it SIGSTOPs."""
     point, k, ranks, *action = spec.split(":")
     k = int(k)
     fail = _die
     if action == ["raise"]:
         def fail() -> None:
             raise InjectedFailure(f"injected failure at {point} #{k} on rank {_this_rank()}")
+    elif action == ["stop"]:
+        def fail() -> None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; SIGCONT resumes right here
     if point not in POINTS:
         raise ValueError(f"unknown kill point {point!r}; one of {', '.join(POINTS)}")
     if ranks != "all" and _this_rank() not in {int(r) for r in ranks.split(",")}:
@@ -136,15 +142,21 @@ def install_kill(spec: str) -> None:
 def launch(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None, log_path: Path
            ) -> tuple[subprocess.Popen, int]:
     """Start ``argv`` on ``nproc`` ranks through launcher ``kind`` in a new session; (process, master port)."""
-    from tests.distributed.launchers import REPO_ROOT, child_env, free_port, launcher_commands
+    from tests.distributed.launchers import PORTS_ENV, REPO_ROOT, child_env, launcher_commands, reserve_ports
 
-    port = free_port()
+    reservation = reserve_ports()
+    port = reservation.__enter__()  # held until wait_and_reap: no other test can take the port meanwhile
+    _RESERVED[port] = reservation
+    env = {**(env or {}), PORTS_ENV: f"{port}:1"}
     workdir = Path(tempfile.mkdtemp(prefix="ds_capture_kill_"))
     (command,) = launcher_commands(kind, nproc, argv, port, workdir)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return proc, port
+
+
+_RESERVED: dict = {}  # port -> its reservation, for launch() / wait_and_reap()
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -188,6 +200,8 @@ def wait_and_reap(proc: subprocess.Popen, port: int, timeout_s: float) -> int:
     kill_group(proc)  # ranks a launcher left behind die with their session
     for path in shm_buffers(port):
         Path(path).unlink(missing_ok=True)
+    if port in _RESERVED:
+        _RESERVED.pop(port).__exit__(None, None, None)
     return code
 
 
@@ -213,20 +227,32 @@ def disable_shm_op() -> None:
 
 def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
                      timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
-                     cli_argv: list[str] | None = None) -> dict:
+                     cli_argv: list[str] | None = None,
+                     watch: Callable[[list[int], dict[int, int]], None] | None = None) -> dict:
     """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
     environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
 
     Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``) after ``install_kill(kill)``;
-    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. Returns
+    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. ``watch(pids,
+    statuses)`` is called every poll (rank -> pid, pid -> wait status of the ranks that ended so far). Returns
     ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
     is its terminating signal (0 if it exited) and ``summary`` is rank 0's ``RunSummary`` fields.
     """
+    from tests.distributed.launchers import reserve_ports
+
+    # The port stays reserved until every rank is reaped (forked ranks also inherit the reservation's flock).
+    with reserve_ports() as port:
+        return _run_forked_ranks(port, world_size, cfg_path, kill=kill, log_path=log_path, timeout_s=timeout_s,
+                                 kill_when_cond=kill_when_cond, cli_argv=cli_argv, watch=watch)
+
+
+def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str | None, log_path: Path,
+                      timeout_s: float, kill_when_cond: Callable[[], bool] | None, cli_argv: list[str] | None,
+                      watch: Callable[[list[int], dict[int, int]], None] | None) -> dict:
     import json
 
-    from tests.distributed.launchers import free_port, shm_buffers
+    from tests.distributed.launchers import shm_buffers
 
-    port = free_port()
     summary_path = Path(log_path).with_suffix(".summary.json")
     summary_path.unlink(missing_ok=True)
     pids = []
@@ -276,6 +302,8 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
     deadline = started + timeout_s
     killed_by_parent = False
     while len(status) < world_size and time.monotonic() < deadline:
+        if watch is not None:
+            watch(pids, status)
         if kill_when_cond is not None and not killed_by_parent and kill_when_cond():
             for pid in pids:
                 if pid not in status:

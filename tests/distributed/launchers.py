@@ -9,7 +9,16 @@ Out: a ``subprocess.CompletedProcess`` whose ``stdout`` holds stdout and stderr 
 Kinds: ``single`` (plain python), ``deepspeed`` (``--num_accelerators N``), ``deepspeed_module``
 (same, through ``--module``), ``deepspeed_hostfile`` (``localhost slots=N``), ``deepspeed_two_nodes``
 (two ``--no_ssh --node_rank {0,1}`` launchers, hosts ``localhost`` and ``127.0.0.1``), ``torchrun``
-and ``mpirun`` (OpenMPI). Every run gets a fresh free port, so its shm buffer names are its own.
+and ``mpirun`` (OpenMPI).
+
+Ports: every run gets its own master port (a block of ``num_ports`` consecutive ones where a worker runs several
+sessions), so its shm buffer names are its own too. They are *reserved*, not just found free: taken from below
+the kernel's ephemeral range (``ip_local_port_range``), which the kernel never hands to a ``bind(0)`` or to the
+local end of a ``connect`` (a port found free by ``bind(0)`` is in that range, and any gloo connection or store
+client of a concurrent job could take it before the job listens: the EADDRINUSE of issue 21), and held with an
+flock in ``PORT_LOCK_DIR`` for the run's life, so concurrent tests and suites (other worktrees too) never pick
+the same one. A start that still fails with EADDRINUSE (a foreign listener in the window) is retried on new ports.
+The ports are exported to the ranks as ``DS_CAPTURE_TEST_PORTS=<first>:<count>``.
 
     from tests.distributed.launchers import run_launcher   # or put tests/distributed on sys.path
     result = run_launcher("torchrun", 2, ["-m", "ds_capture", "run", "-c", str(cfg)], None, 120)
@@ -18,7 +27,9 @@ and ``mpirun`` (OpenMPI). Every run gets a fresh free port, so its shm buffer na
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +50,101 @@ _LEAKY_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SI
 SHM_BUFFER_GLOB = "/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_*"
 
 
+PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "ds_capture_test_ports"
+PORTS_ENV = "DS_CAPTURE_TEST_PORTS"
+# What a port taken between reservation and listen looks like (torch's TCPStore, gloo, the OS's own words).
+ADDR_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+START_ATTEMPTS = 3
+# (first port, count) of every reservation made in this process, for tests/distributed/conftest.py's checks.
+HANDED_OUT: list[tuple[int, int]] = []
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel's pick)."""
+    """A TCP port nobody listens on right now (the kernel's pick, in the ephemeral range: prefer reserve_ports)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def reservable_ports() -> range:
+    """Ports outside the kernel's ephemeral range: below it when there is room, else above it."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    if low - 1024 >= 2000:
+        return range(max(1024, low - 12000), low)
+    if 65535 - high >= 2000:
+        return range(high + 1, 65536)
+    raise RuntimeError(f"ip_local_port_range {low}-{high} leaves no room for reserved test ports")
+
+
+def _bindable(port: int) -> bool:
+    """Nothing listens on or is bound to ``port`` (TIME_WAIT leftovers are fine: the store binds with
+    SO_REUSEADDR too)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextmanager
+def reserve_ports(count: int = 1, *, rng: random.Random | None = None, tries: int = 500) -> Iterator[int]:
+    """The first of ``count`` consecutive ports, flock-held in ``PORT_LOCK_DIR`` until the block exits."""
+    rng = rng or random.SystemRandom()
+    ports = reservable_ports()
+    PORT_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    for _ in range(tries):
+        first = rng.randrange(ports.start, ports.stop - count + 1)
+        held = _lock_block(first, count)
+        if held is None:
+            continue
+        try:
+            if all(_bindable(port) for port in range(first, first + count)):
+                HANDED_OUT.append((first, count))
+                yield first
+                return
+        finally:
+            for fd in held:
+                os.close(fd)  # releases its flock
+    raise RuntimeError(f"no {count} consecutive free ports in {ports.start}-{ports.stop - 1} after {tries} tries")
+
+
+def _lock_block(first: int, count: int) -> list[int] | None:
+    """The flocked lock files of ports ``first ..`` (open fds), or None if another run holds one of them."""
+    held = []
+    try:
+        for port in range(first, first + count):
+            held.append(os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666))
+            fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        for fd in held:
+            os.close(fd)
+        return None
+    return held
+
+
+def start_failed_on_port(result: subprocess.CompletedProcess) -> bool:
+    """The run failed because its port was taken (what a retry on another port fixes)."""
+    return result.returncode != 0 and any(text in result.stdout for text in ADDR_IN_USE)
+
+
+def retry_on_addr_in_use(start: Callable[[], subprocess.CompletedProcess],
+                         attempts: int | None = None) -> subprocess.CompletedProcess:
+    """``start()`` (which reserves its own ports), again while it fails with EADDRINUSE, at most ``attempts``
+    (default ``START_ATTEMPTS``) times; the result says how many in ``attempts``."""
+    attempts = attempts or START_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        result = start()
+        result.attempts = attempt
+        if not start_failed_on_port(result):
+            return result
+        print(f"[launchers] port {getattr(result, 'master_port', '?')} was taken before the job listened "
+              f"(attempt {attempt} of {attempts})", file=sys.stderr, flush=True)
+    return result
 
 
 def shm_buffers(port: int) -> list[str]:
@@ -101,9 +203,21 @@ def launcher_commands(kind: str, nproc: int, argv: list[str], port: int, workdir
 
 
 def run_launcher(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] | None = None,
-                 timeout_s: int = 120, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv`` on ``nproc`` ranks through ``kind``; never outlives ``timeout_s``; cleans /dev/shm."""
-    port = free_port()
+                 timeout_s: int = 120, cwd: str | os.PathLike | None = None, *,
+                 num_ports: int = 1) -> subprocess.CompletedProcess:
+    """Run ``argv`` on ``nproc`` ranks through ``kind`` on reserved ports (``num_ports`` consecutive ones from
+    the master port), retried on new ports after EADDRINUSE; each attempt never outlives ``timeout_s``; cleans
+    /dev/shm. A retried command must be idempotent (a capture is: it resumes)."""
+    def start() -> subprocess.CompletedProcess:
+        with reserve_ports(num_ports) as port:
+            return _run_once(kind, nproc, argv, {**(env or {}), PORTS_ENV: f"{port}:{num_ports}"}, timeout_s, cwd,
+                             port, num_ports)
+
+    return retry_on_addr_in_use(start)
+
+
+def _run_once(kind: str, nproc: int, argv: list[str], env: Mapping[str, str], timeout_s: int,
+              cwd: str | os.PathLike | None, port: int, num_ports: int) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="ds_capture_launch_") as tmp:
         commands = launcher_commands(kind, nproc, argv, port, Path(tmp))
         log_paths = [Path(tmp) / f"out{i}.log" for i in range(len(commands))]
@@ -120,7 +234,7 @@ def run_launcher(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] 
             for proc in procs:
                 _kill_session(proc)
         stdout = "".join(p.read_text(errors="replace") for p in log_paths)
-    leftover = [str(p) for p in shm_buffers(port)]
+    leftover = [str(p) for offset in range(num_ports) for p in shm_buffers(port + offset)]
     for path in leftover:
         Path(path).unlink(missing_ok=True)
     result = subprocess.CompletedProcess(commands[0] if len(commands) == 1 else commands, returncode, stdout, "")

@@ -145,14 +145,19 @@ def _worker(specs_path: str, out_root: str) -> None:
 
     runner.build_model = build_model_with_router_hooks
     rank = int(os.environ.get("RANK", "0"))
-    for number, spec in enumerate(json.loads(Path(specs_path).read_text())):
+    specs = json.loads(Path(specs_path).read_text())
+    for number, spec in enumerate(specs):
         records.clear()
-        if number and "MASTER_PORT" in os.environ:
+        if number and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one process has no store
             # A second process group on the first one's store hangs (keys of the destroyed group are
-            # still there): each run gets its own TCP store, rank 0 hosting it on the next port.
+            # still there): each run gets its own TCP store, rank 0 hosting it on the next port. The
+            # launcher reserved one port per spec (ports next to a port found free are anyone's: EADDRINUSE).
+            first, count = map(int, os.environ["DS_CAPTURE_TEST_PORTS"].split(":"))
+            assert count == len(specs) and int(os.environ["MASTER_PORT"]) == first + number - 1, (first, count)
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        summary = runner.run_capture(load_config(spec["config"], []), show_progress=False)
+        # restart: a launch retried after EADDRINUSE recomputes every spec (and records every route again).
+        summary = runner.run_capture(load_config(spec["config"], []), restart=True, show_progress=False)
         out = Path(out_root) / spec["name"]
         out.mkdir(parents=True, exist_ok=True)
         torch.save(records, out / f"routes.rank{rank}.pt")
@@ -215,7 +220,8 @@ def layout_runs(tiny_target, tmp_path_factory) -> Path:
         specs_path = root / f"specs_w{world}.json"
         specs_path.write_text(json.dumps(specs))
         kind = "single" if world == 1 else "torchrun"
-        result = run_launcher(kind, world, [str(HERE), "worker", str(specs_path), str(root)], None, 420)
+        result = run_launcher(kind, world, [str(HERE), "worker", str(specs_path), str(root)], None, 420,
+                              num_ports=len(specs))
         assert result.returncode == 0, result.stdout[-8000:]
         assert result.leftover_shm == [], result.leftover_shm
     return root

@@ -197,7 +197,8 @@ def test_unknown_top_level_key(write_recipe):
 def test_unknown_dist_env_key(write_recipe):
     message, path = refusal(write_recipe, {**base_recipe(), "dist_env": {"timeout": 3}})
     assert message == (
-        f"{path}: unknown key `dist_env.timeout`. Valid keys under `dist_env`: backend, timeout_minutes. "
+        f"{path}: unknown key `dist_env.timeout`. Valid keys under `dist_env`: backend, heartbeat_timeout_seconds, "
+        "timeout_minutes. "
         "Fix the spelling or remove the key.")
 
 

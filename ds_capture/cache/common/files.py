@@ -26,6 +26,7 @@ from ds_capture.cache.common.names import (
     shard_name,
 )
 from ds_capture.cache.common.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest, fsync_dir
+from ds_capture.capture.liveness import refuse_if_frozen
 
 TMP_SUFFIX = ".tmp"
 
@@ -53,6 +54,7 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        refuse_if_frozen()  # a rank woken after its peers gave up renames nothing into place
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

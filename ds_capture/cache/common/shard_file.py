@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from ds_capture.capture.liveness import refuse_if_frozen
+
 ROWS_DIGEST = "xxh3-128-rows"
 """Tag of the checksum defined in the module docstring (sidecars say which algorithm they hold)."""
 
@@ -120,6 +122,7 @@ class ShardFile:
         self.bytes_written = 0
         self._slots = {slot.name: slot for slot in layout.slots}
         self._row_digests: dict[str, list[bytes | None]] = {s.name: [None] * s.num_rows for s in layout.slots}
+        refuse_if_frozen()  # a rank woken after its peers gave up starts no shard
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # what safetensors.save_file (and so NeMo) leaves
         try:
             os.ftruncate(self._fd, layout.total_bytes)  # the full length first: unwritten ranges stay holes
@@ -135,6 +138,7 @@ class ShardFile:
         ``num_tokens[b]`` positions are written (the rest of the row is zeros, a hole); any other tensor
         is [B, *row shape] and written whole.
         """
+        refuse_if_frozen()  # nor adds rows to one
         positions = [int(r) for r in rows]
         lengths = [int(n) for n in num_tokens]
         for name, data in tensors.items():
@@ -183,6 +187,7 @@ class ShardFile:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
+            refuse_if_frozen()  # a rank woken after its peers gave up renames nothing into place
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()
