@@ -7,13 +7,22 @@ support table in docs/support.md, so the table comes from the test matrix rather
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "support_matrix.json"
 
 
 def record(model_type: str, layout: str, entry: dict) -> None:
-    """Store ``entry`` (status equal/differs/refused, max_rel_diff, ...) for ``model_type`` x ``layout``."""
+    """Store ``entry`` (status equal/differs/refused, max_rel_diff, ...) for ``model_type`` x ``layout``.
+
+    Only a full run records (``DS_CAPTURE_FULL=1``, as ``python3 scripts/dev.py test --full`` sets): the CI cut
+    runs a subset of the cells, and its rerun of a cell gives a max_rel_diff that differs in the last digits from
+    run to run (measured: 3.4e-07 then 4.4e-07 for one EP cell), which would rewrite the tracked file and break
+    tests/unit/test_docs.py's check of the table against it.
+    """
+    if os.environ.get("DS_CAPTURE_FULL") != "1":
+        return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     data.setdefault(model_type, {})[layout] = entry
