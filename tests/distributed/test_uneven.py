@@ -67,7 +67,8 @@ def uneven_runs(tiny_target, tmp_path_factory) -> dict:
         if world == 2:
             specs.append({"name": name, "config": str(cfg)})
     (root / "specs.json").write_text(json.dumps(specs))
-    result = run_launcher("torchrun", 2, [LAYOUT_WORKER, "worker", str(root / "specs.json"), str(root)], None, 300)
+    result = run_launcher("torchrun", 2, [LAYOUT_WORKER, "worker", str(root / "specs.json"), str(root)], None, 300,
+                          num_ports=len(specs))  # the layouts worker gives each run its own store port
     assert result.returncode == 0, result.stdout[-6000:]
     for spec in specs:
         summary = json.loads((root / spec["name"] / "summary.rank0.json").read_text())
