@@ -16,7 +16,10 @@ a data-parallel job can still drift that many steps apart as they could before.
 
 A second signal ends the process at once: the first restores the default action. No Python runs then, but no
 final name can hold a partial file (every file is written to ``<name>.tmp`` and renamed whole), and the lock
-left behind names a dead pid, so the rerun reclaims it. A signal during model loading takes effect at the
+left behind names a dead pid, so the rerun reclaims it. Once the stop is safe on disk (the writer closed), a
+further signal exits 75 at once instead (:meth:`StopOnSignal.finishing`): launchers (torchrun, ``deepspeed``,
+``srun --kill-on-bad-exit``) SIGTERM the ranks still running when the first one exits, and those are then only
+tearing down; their exit code must still say "rerun". A signal during model loading takes effect at the
 first step (nothing but the manifest and target weights, both atomic, is written before it).
 """
 
@@ -60,6 +63,7 @@ class StopOnSignal:
         self.received: int | None = None
         """The first signal's number, once one arrived."""
         self._previous: dict[int, object] = {}
+        self._finishing = False
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
@@ -68,9 +72,20 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        # After a stop the process is on its way out with exit 75: a launcher's SIGTERM (sent to the ranks still
+        # running when the first one exits) must not turn that into a death by signal, so the handler stays.
+        if not self._finishing:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
         self._previous.clear()
+
+    def finishing(self) -> None:
+        """The stop is on disk: from now on (also after the run returns) a signal ends the process with the
+        rerun code, at once."""
+        if self._previous:
+            self._finishing = True
+            for sig in SIGNALS:
+                signal.signal(sig, _exit_for_rerun)
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:  # only reached if the default action could not be restored
@@ -83,6 +98,10 @@ class StopOnSignal:
             # os.write, not print: the main thread may be inside a write to stderr right now.
             os.write(2, f"ds-capture: {signal.Signals(signum).name} received; stopping every rank at the next "
                         "micro-batch boundary (send it again to stop at once)\n".encode())
+
+
+def _exit_for_rerun(signum: int, frame) -> None:
+    os._exit(RERUN_EXIT_CODE)
 
 
 class StopVote:

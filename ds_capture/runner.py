@@ -257,6 +257,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             if vote.should_stop():
                 stopped_at = step
                 writer.close(partial=True)
+                stop.finishing()
                 break
             batch = batches[step] if step < len(batches) else None
             inputs = {key: value.to(device) for key, value in
