@@ -25,8 +25,8 @@ from tests.distributed.test_crash_resume import write_recipe
 
 pytestmark = [pytest.mark.distributed]
 
-NUM_SAMPLES, SHARD_SIZE = 48, 4
-NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE  # 12: 6 per DP rank, 12 forwards each
+NUM_SAMPLES, SHARD_SIZE = 96, 4  # 24 steps per rank at 2 ranks: room for the signal to land mid-run
+NUM_SHARDS = NUM_SAMPLES // SHARD_SIZE  # 24: 12 per DP rank, 24 forwards each
 DATA = Path(__file__).resolve().parents[2] / "ds_capture" / "demo_data" / "conversations.jsonl"
 CLI = ["-m", "ds_capture", "run", "--no-progress", "-c"]
 
