@@ -1,7 +1,8 @@
 """Command line: ``ds-capture run | plan | verify | inspect | compare`` (also ``python -m ds_capture``).
 
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
-for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it.
+for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it. A ``run``
+stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue.
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ds_capture import __version__
-from ds_capture.errors import CaptureError
+from ds_capture.capture.interrupt import Interrupted
+from ds_capture.errors import RERUN_EXIT_CODE, CaptureError
 from ds_capture.parallel.dist import AgreedError
 
 _LOG = logging.getLogger("ds_capture")
@@ -87,8 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(error, AgreedError) or _is_rank0():
             print(f"ds-capture {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        # Every rank stopped at the same step with the same counts: rank 0 says so once.
+        if _is_rank0():
+            print(f"ds-capture {args.command}: {stop}", file=sys.stderr)
+        return RERUN_EXIT_CODE
     except KeyboardInterrupt:
-        print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)
+        # Ctrl-C before the run installed its handlers (nothing written yet), or in another command.
+        if args.command == "run":
+            print("ds-capture run: interrupted; rerun the same command to continue.", file=sys.stderr)
+            return RERUN_EXIT_CODE
+        print(f"ds-capture {args.command}: interrupted.", file=sys.stderr)
         return 130
 
 

@@ -29,6 +29,7 @@ from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
 from ds_capture.capture.hooks import capture_hidden_states
+from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.progress import Progress, collective_device
 from ds_capture.capture.safety import FailFast, OutputLock
@@ -114,8 +115,16 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool
     ``restart`` recomputes every shard. Otherwise finished shards are kept, and over a cache marked complete
     each shard is first checked from its header and sidecar (``verify_checksums``: re-hashed too), and only
     the damaged ones are recomputed (:mod:`ds_capture.cache.common.rerun_check`)."""
-    args = cfg.recipe_args
     env = discover_env()
+    # From here on SIGTERM / SIGINT stop the run at a step boundary on every rank (exit 75), never mid-write.
+    with StopOnSignal(announce=env.rank == 0) as stop:
+        return _run_capture(cfg, env, stop, restart=restart, verify_checksums=verify_checksums,
+                            show_progress=show_progress)
+
+
+def _run_capture(cfg: RunConfig, env, stop: StopOnSignal, *, restart: bool, verify_checksums: bool,
+                 show_progress: bool) -> RunSummary:
+    args = cfg.recipe_args
     target = read_target_info(args.target_path)
     target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
     if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
@@ -137,7 +146,7 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
         # Liveness within heartbeat_timeout_seconds of a rank (or the store's host) that stops answering.
         with FailFast(plan.rank), Liveness(env, limit_s=cfg.dist_env.heartbeat_timeout_seconds), _peer_failures():
-            return _run(cfg, target, layer_ids, plan, restart=restart, verify_checksums=verify_checksums,
+            return _run(cfg, target, layer_ids, plan, stop, restart=restart, verify_checksums=verify_checksums,
                         show_progress=show_progress)
 
 
@@ -161,7 +170,7 @@ def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None
         raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
 
 
-def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, *,
+def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, stop: StopOnSignal, *,
          restart: bool, verify_checksums: bool, show_progress: bool) -> RunSummary:
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
@@ -200,7 +209,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
-            return _capture(kind, cfg, target, layer_ids, plan, prepared, loading, started=started,
+            return _capture(kind, cfg, target, layer_ids, plan, prepared, loading, stop, started=started,
                             show_progress=show_progress)
     finally:
         if lock is not None:
@@ -214,7 +223,8 @@ def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, group
 
 
 def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout,
-             prepared: "_Prepared", loading: Future | None, *, started: float, show_progress: bool) -> RunSummary:
+             prepared: "_Prepared", loading: Future | None, stop: StopOnSignal, *, started: float,
+             show_progress: bool) -> RunSummary:
     args = cfg.recipe_args
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
@@ -250,9 +260,17 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     nonfinite: list[int] = []
     writer = kind.open_writer(out_dir, manifest, micro_batch_size=args.micro_batch_size,
                               buffer_mib=options.writer_buffer_mib, device=device)
+    vote, stopped_at = StopVote(stop), None  # StopVote: collective (a side group), every rank
     with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
             model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
         for step in range(num_steps):
+            # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
+            # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.
+            if vote.should_stop():
+                stopped_at = step
+                writer.close(partial=True)
+                stop.finishing()
+                break
             batch = batches[step] if step < len(batches) else None
             inputs = {key: value.to(device) for key, value in
                       (batch.model_inputs() if batch is not None else filler).items()}
@@ -269,10 +287,16 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                 writer.put(item)
             del item
             progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
+    vote.close()
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
     if nonfinite:
         _record_nonfinite(out_dir, nonfinite, plan)
+    if stopped_at is not None:
+        finished = len(done_shards) + _sum_over_ranks([writer.shards_written])[0]  # collective, as every rank stopped
+        raise Interrupted(f"stopped by {vote.reason()} after {stopped_at} of {num_steps} steps: {finished} of "
+                          f"{manifest.num_shards} shards are finished (with their checksums), no partial file is "
+                          "left under a final name; rerun the same command to continue.")
 
     # Publish only after every rank has written its shards (and only if all of them succeeded).
     agree_on_error(None)

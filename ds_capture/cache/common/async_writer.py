@@ -92,12 +92,17 @@ class AsyncShardWriter:
         else:
             self._queue.put((batch, staged))
 
-    def close(self) -> None:
-        """Write everything queued, stop the thread, and raise a writer error if there was one."""
+    def close(self, *, partial: bool = False) -> None:
+        """Write everything queued, stop the thread, and raise a writer error if there was one.
+
+        ``partial``: the loop stopped early (a signal): shards that got all their rows are finished as usual,
+        the ``.tmp`` of those still missing rows is deleted instead of being an error."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
         self._raise_pending()
+        if partial:
+            self._abort_open()
         assert not self._open, f"shards {sorted(self._open)} were never completed"
 
     def __enter__(self) -> "AsyncShardWriter":
