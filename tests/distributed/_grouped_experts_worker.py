@@ -1,0 +1,96 @@
+"""Run on every rank by tests/distributed/test_grouped_experts_ep.py: GroupedExperts EP vs the unsplit module.
+
+In:  a JSON file of cases (dtype, activation options, routing skew), through torchrun with 2 gloo ranks.
+Out: one ``RESULT {json}`` line per rank and case: whether EP equals this rank's single-process forward bit
+     for bit, the max abs diff, which class was used (NeMo's own, or the faithful copy where NeMo is absent).
+
+Every rank builds the same experts (seed 0) and its own tokens (seed 100 + rank, different counts per rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ds_capture.dist import discover_env, distributed_session  # noqa: E402
+from ds_capture.engine.grouped_experts import apply_grouped_experts_parallel  # noqa: E402
+
+NUM_EXPERTS, DIM, INTER, TOP_K = 8, 32, 16, 3
+
+
+def build_experts(case: dict, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """NeMo's GroupedExperts when nemo_automodel is installed, else the faithful copy; random, same on all ranks."""
+    try:
+        from nemo_automodel.components.models.common import BackendConfig
+        from nemo_automodel.components.moe.config import MoEConfig
+        from nemo_automodel.components.moe.experts import GroupedExperts
+
+        config = MoEConfig(n_routed_experts=NUM_EXPERTS, n_shared_experts=0, n_activated_experts=TOP_K,
+                           n_expert_groups=1, n_limited_groups=1, train_gate=False, gate_bias_update_factor=0.0,
+                           aux_loss_coeff=0.0, score_func="sigmoid", route_scale=1.0, dim=DIM, inter_dim=INTER,
+                           moe_inter_dim=INTER, norm_topk_prob=False, expert_bias=case["expert_bias"],
+                           apply_router_weight_after_down=case["after_down"], swiglu_limit=case["swiglu_limit"],
+                           dtype=dtype)
+        experts = GroupedExperts(config, backend=BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32",
+                                                               experts="torch", dispatcher="torch", rope="torch",
+                                                               rope_fusion=False, gate_precision="float32"))
+        source = "nemo"
+    except ImportError:
+        from _grouped_experts_reference import GroupedExperts, MoEConfig
+
+        experts = GroupedExperts(MoEConfig(n_routed_experts=NUM_EXPERTS, expert_dim=DIM, moe_inter_dim=INTER,
+                                           expert_bias=case["expert_bias"], apply_router_weight_after_down=
+                                           case["after_down"], swiglu_limit=case["swiglu_limit"], dtype=dtype))
+        source = "copy"
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    return experts, source
+
+
+def rank_inputs(rank: int, case: dict, dtype: torch.dtype):
+    """This rank's tokens: its own count, distinct top-k experts, fp32 weights, some masked-out tokens."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    num_tokens = 41 if rank == 0 else 29
+    x = torch.randn(num_tokens, DIM, generator=gen).to(dtype)
+    scores = torch.rand(num_tokens, NUM_EXPERTS, generator=gen)
+    if case["skew"] and rank == 1:
+        scores[:, : NUM_EXPERTS // 2] += 10.0  # rank 1 routes only to rank 0's experts: rank 1 gets no rows
+    weights, indices = scores.topk(TOP_K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    mask = torch.rand(num_tokens, generator=gen) > 0.15
+    return x, mask, weights.float(), indices
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cases = json.loads(open(sys.argv[1]).read())
+    env = discover_env()
+    with distributed_session(env, backend="gloo", timeout_minutes=2):
+        for case in cases:
+            dtype = getattr(torch, case["dtype"])
+            experts, source = build_experts(case, dtype)
+            x, mask, weights, indices = rank_inputs(env.rank, case, dtype)
+            with torch.no_grad():
+                reference = experts(x, mask, weights, indices)
+                split = apply_grouped_experts_parallel(copy.deepcopy(experts), ep_group=None, ep_size=env.world_size,
+                                                       ep_rank=env.rank)
+                local_experts = split.gate_and_up_projs.shape[0]
+                out = split(x, mask, weights, indices)
+            print("RESULT " + json.dumps({
+                "case": case["name"], "rank": env.rank, "source": source, "local_experts": local_experts,
+                "dtype": str(out.dtype), "equal": bool(torch.equal(out, reference)),
+                "max_abs_diff": (out.float() - reference.float()).abs().max().item(),
+                "max_abs": reference.float().abs().max().item()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
