@@ -20,6 +20,11 @@ row results can change with its row count). Neither is bitwise. This layer repro
    id (the loop's ``scatter_add_`` order) or, with ``apply_router_weight_after_down``, places them in their
    slots and sums the slots as the loop does; then the cast to the input dtype.
 
+Kimi K3's ``KimiK3MoE`` does not call ``experts.forward`` in eval mode (experts not DTensors): it runs its own
+``_forward_reference_order`` (pairs by ``argsort`` of the expert ids, unweighted SiTU, the K outputs weighted in
+fp32 and summed). That block is switched too, and :meth:`~ExpertParallelGroupedExperts.forward_reference_order`
+runs the same order, blocks and combine over the EP group.
+
 Equal to one process bit for bit in fp32 and bf16 (tests/distributed/test_grouped_experts_ep.py). The grouped
 GEMM backends (``experts="torch_mm"`` / ``"gmm"``) are refused: their combine is another function.
 
@@ -28,6 +33,8 @@ E = experts, L = E / ep local experts.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,13 +72,45 @@ class ExpertParallelGroupedExperts(nn.Module):
     num_local_experts: int
     expert_start: int
 
+    def _exchange(self, send_x: torch.Tensor, send_w: torch.Tensor | None, send_counts: torch.Tensor,
+                  expert_fn: Callable[..., torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+        """Pairs ``send_x [P, D]`` (sorted by global expert, ``send_counts [ep, L]`` per rank and local expert)
+        -> ``expert_fn(rows, w, local_idx)`` computed on the owners, one block per source rank and expert
+        (the rows that source's own single-process loop multiplies, in its order), returned in send order."""
+        hidden_dim = send_x.shape[-1]
+        recv_counts = torch.empty_like(send_counts)
+        # Every EP rank must enter these all-to-alls, also with zero pairs for some peer.
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv_x = send_x.new_empty(sum(recv_splits), hidden_dim)  # [N, D]
+        dist.all_to_all_single(recv_x, send_x.contiguous(), recv_splits, send_splits, group=self.ep_group)
+        recv_w = None
+        if send_w is not None:
+            recv_w = send_w.new_empty(sum(recv_splits))
+            dist.all_to_all_single(recv_w, send_w.contiguous(), recv_splits, send_splits, group=self.ep_group)
+
+        out = recv_x.new_empty(recv_x.shape[0], hidden_dim, dtype=out_dtype)
+        start = 0
+        for block, count in enumerate(recv_counts.reshape(-1).tolist()):
+            if count:
+                rows = recv_x[start : start + count]
+                w = None if recv_w is None else recv_w[start : start + count, None]
+                out[start : start + count] = expert_fn(rows, w, block % self.num_local_experts)
+            start += count
+        back = out.new_empty(send_x.shape[0], hidden_dim)
+        dist.all_to_all_single(back, out, send_splits, recv_splits, group=self.ep_group)
+        return back
+
+    def _send_counts(self, pair_expert: torch.Tensor) -> torch.Tensor:
+        """``[ep, L]`` pairs per destination rank and local expert (pairs sorted by expert)."""
+        return torch.bincount(pair_expert, minlength=self.ep_size * self.num_local_experts).view(
+            self.ep_size, self.num_local_experts)
+
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
+        """``GroupedExperts.forward`` (experts="torch": ``_forward_loop``) over the EP group."""
         num_tokens, top_k = indices.shape
-        hidden_dim = x.shape[-1]
-        input_dtype = compute_dtype = x.dtype
-        local = self.num_local_experts
-
+        compute_dtype = x.dtype
         # Valid pairs in token-major order, then stably by expert: grouped by destination rank and expert,
         # tokens ascending within an expert, which is the row order of the loop's torch.where.
         valid = token_mask.unsqueeze(-1).expand(num_tokens, top_k).reshape(-1)
@@ -79,36 +118,41 @@ class ExpertParallelGroupedExperts(nn.Module):
         pair_expert = indices.reshape(-1)[pair_ids].long()
         order = torch.argsort(pair_expert, stable=True)
         pair_ids, pair_expert = pair_ids[order], pair_expert[order]
-        pair_dest = torch.div(pair_expert, local, rounding_mode="floor")
-        # counts[d, e]: pairs for local expert e of rank d; every EP rank must enter all these all-to-alls.
-        send_counts = torch.bincount(pair_expert, minlength=self.ep_size * local).view(self.ep_size, local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-
-        send_x = x[torch.div(pair_ids, top_k, rounding_mode="floor")].contiguous()  # [P, D]
-        send_w = weights.reshape(-1)[pair_ids].contiguous()  # [P], the router's dtype
-        recv_x = x.new_empty(sum(recv_splits), hidden_dim)  # [N, D]
-        recv_w = send_w.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=self.ep_group)
-        dist.all_to_all_single(recv_w, send_w, recv_splits, send_splits, group=self.ep_group)
-
-        # Per source rank and local expert: the block that source's own loop multiplies (same GEMM shapes).
+        send_x = x[torch.div(pair_ids, top_k, rounding_mode="floor")]  # [P, D]
+        send_w = weights.reshape(-1)[pair_ids]  # [P], the router's dtype
         gate_and_up_projs = self.gate_and_up_projs.to(compute_dtype)
         down_projs = self.down_projs.to(compute_dtype)
-        blocks, start = [], 0
-        for count in recv_counts.reshape(-1).tolist():
-            blocks.append((start, start + count))
-            start += count
-        out = recv_x.new_empty(start, hidden_dim, dtype=torch.float32)
-        for block, (lo, hi) in enumerate(blocks):
-            if hi > lo:
-                out[lo:hi] = _expert_rows(self, recv_x[lo:hi], recv_w[lo:hi, None], block % local,
-                                          gate_and_up_projs, down_projs)
 
-        back = out.new_empty(sum(send_splits), hidden_dim)
-        dist.all_to_all_single(back, out, send_splits, recv_splits, group=self.ep_group)
-        return self._combine(back, pair_ids, num_tokens, top_k, input_dtype)
+        def expert_fn(rows: torch.Tensor, w: torch.Tensor, local_idx: int) -> torch.Tensor:
+            # A fresh copy, as the loop's x.gather makes one.
+            return _expert_rows(self, rows.clone(), w.clone(), local_idx, gate_and_up_projs, down_projs)
+
+        back = self._exchange(send_x, send_w, self._send_counts(pair_expert), expert_fn, torch.float32)
+        return self._combine(back, pair_ids, num_tokens, top_k, x.dtype)
+
+    def forward_reference_order(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                                topk_weight: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
+                                ) -> torch.Tensor:
+        """Kimi K3's eval-mode ``KimiK3MoE._forward_reference_order`` over the EP group (every pair, no mask).
+
+        Its order: pairs by ``topk_ids.reshape(-1).argsort()`` (the same call, so the same order), each expert's
+        block of ``sorted_tokens``, ``activation(rows @ W1) @ W2`` in the hidden dtype, then per token the K
+        outputs times the weights in the weights' dtype, summed over K, cast back.
+        """
+        num_tokens, top_k = topk_ids.shape
+        sorted_ids = topk_ids.reshape(-1).argsort()
+        send_x = hidden_states[torch.div(sorted_ids, top_k, rounding_mode="floor")]  # [T*K, D]
+
+        def expert_fn(rows: torch.Tensor, w: None, local_idx: int) -> torch.Tensor:
+            gate_up = rows @ self.gate_and_up_projs[local_idx].to(rows.dtype)
+            return activation(gate_up) @ self.down_projs[local_idx].to(rows.dtype)
+
+        counts = self._send_counts(topk_ids.reshape(-1)[sorted_ids].long())
+        routed = self._exchange(send_x, None, counts, expert_fn, hidden_states.dtype)
+        unpermuted = torch.empty_like(routed)
+        unpermuted[sorted_ids] = routed
+        return (unpermuted.view(num_tokens, top_k, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(-1))
+                .sum(dim=1).type(routed.dtype))
 
     def _combine(self, back: torch.Tensor, pair_ids: torch.Tensor, num_tokens: int, top_k: int,
                  input_dtype: torch.dtype) -> torch.Tensor:
@@ -134,14 +178,24 @@ class ExpertParallelGroupedExperts(nn.Module):
         return y.to(input_dtype)
 
 
-_EP_CLASSES: dict[type, type] = {}
+class ReferenceOrderExpertParallelMoE(nn.Module):
+    """Mixin for a MoE block with an eval-mode ``_forward_reference_order`` (Kimi K3's ``KimiK3MoE``), which
+    bypasses ``experts.forward`` when the experts are not DTensors: it now runs over the EP group."""
+
+    def _forward_reference_order(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                                 topk_weight: torch.Tensor) -> torch.Tensor:
+        return self.experts.forward_reference_order(hidden_states, topk_ids, topk_weight, self._situ)
 
 
-def _expert_parallel_class(cls: type) -> type:
-    """One ``ExpertParallel<cls>`` subclass per experts class, so ``isinstance(m, cls)`` still holds."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelGroupedExperts, cls), {})
-    return _EP_CLASSES[cls]
+_EP_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Put ``mixin`` in front of the module's class (one subclass per pair, so ``isinstance`` still holds)."""
+    cls = type(module)
+    if (mixin, cls) not in _EP_CLASSES:
+        _EP_CLASSES[(mixin, cls)] = type(f"ExpertParallel{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _EP_CLASSES[(mixin, cls)]
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -152,6 +206,9 @@ def is_grouped_experts(module: nn.Module) -> bool:
 def apply_grouped_experts_parallel(model: nn.Module, *, ep_group: dist.ProcessGroup | None, ep_size: int,
                                    ep_rank: int) -> nn.Module:
     """Keep experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)`` in every ``GroupedExperts``; route with all-to-all.
+
+    A MoE block that computes its experts itself in eval mode (``_forward_reference_order``: Kimi K3) is
+    switched too, so that path also runs over the EP group in its own order.
 
     Works on a meta model (each rank then only allocates its own experts) or a materialised one (the kept
     experts are sliced out and cloned). ``ep_size == 1`` returns the model unchanged.
@@ -182,8 +239,12 @@ def apply_grouped_experts_parallel(model: nn.Module, *, ep_group: dist.ProcessGr
                 kept = param.detach()[start : start + num_local]
                 kept = kept if kept.is_meta else kept.clone()
                 setattr(experts, param_name, nn.Parameter(kept, requires_grad=False))
-        experts.__class__ = _expert_parallel_class(type(experts))
+        _swap_class(experts, ExpertParallelGroupedExperts)
         experts.num_local_experts = num_local
         experts.expert_start = start
         experts.ep_group, experts.ep_size, experts.ep_rank = ep_group, ep_size, ep_rank
+    for _, block in model.named_modules():
+        if hasattr(type(block), "_forward_reference_order") and isinstance(getattr(block, "experts", None),
+                                                                            ExpertParallelGroupedExperts):
+            _swap_class(block, ReferenceOrderExpertParallelMoE)
     return model

@@ -91,3 +91,35 @@ class GroupedExperts(nn.Module):
         if after_down:
             y = y.sum(dim=1)
         return y.to(input_dtype)
+
+
+class KimiK3MoE(nn.Module):
+    """The part of NeMo's ``KimiK3MoE`` the split replaces: its eval-mode ``_forward_reference_order``
+    (copied from ``nemo_automodel/components/models/kimi_k3/model.py``), with SwiGLU for its SiTU."""
+
+    def __init__(self, experts: GroupedExperts):
+        super().__init__()
+        self.experts = experts
+        self.n_routed_experts = experts.n_routed_experts
+        self._situ = lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]
+
+    def _forward_reference_order(self, hidden_states, topk_ids, topk_weight):
+        counts = topk_ids.new_zeros((topk_ids.shape[0], self.n_routed_experts))
+        counts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = counts.sum(dim=0).cpu().tolist()
+        sorted_ids = topk_ids.reshape(-1).argsort()
+        sorted_tokens = hidden_states[sorted_ids // topk_ids.shape[1]]
+        outputs = []
+        start = 0
+        for expert_idx, num_tokens in enumerate(tokens_per_expert):
+            end = start + num_tokens
+            if num_tokens:
+                tokens = sorted_tokens[start:end]
+                gate_up = tokens @ self.experts.gate_and_up_projs[expert_idx].to(tokens.dtype)
+                outputs.append(self._situ(gate_up) @ self.experts.down_projs[expert_idx].to(tokens.dtype))
+            start = end
+        routed = torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty((0, hidden_states.shape[-1]))
+        unpermuted = torch.empty_like(routed)
+        unpermuted[sorted_ids] = routed
+        return (unpermuted.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(-1))
+                .sum(dim=1).type(routed.dtype))

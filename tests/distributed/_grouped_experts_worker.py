@@ -56,6 +56,35 @@ def build_experts(case: dict, dtype: torch.dtype) -> tuple[torch.nn.Module, str]
     return experts, source
 
 
+def build_k3_block(dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """NeMo's KimiK3MoE (tiny, eval mode) when installed, else the copy of its reference-order path."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        from nemo_automodel.components.models.common import BackendConfig
+        from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
+        from nemo_automodel.components.models.kimi_k3.model import KimiK3MoE, _build_moe_config
+
+        config = KimiK3TextConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, moe_intermediate_size=INTER, num_experts=NUM_EXPERTS,
+                                  num_experts_per_token=TOP_K, num_shared_experts=1, routed_expert_hidden_size=DIM,
+                                  attn_res_block_size=None)
+        backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch",
+                                dispatcher="torch", rope="torch", rope_fusion=False, gate_precision="float32")
+        block = KimiK3MoE(config, _build_moe_config(config, dtype, None), backend)
+        source = "nemo"
+    except ImportError:
+        from _grouped_experts_reference import KimiK3MoE
+
+        block = KimiK3MoE(build_experts({"expert_bias": False, "after_down": True, "swiglu_limit": 0.0}, dtype)[0])
+        source = "copy"
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        for buffer in block.buffers():
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
+    return block.eval(), source
+
+
 def rank_inputs(rank: int, case: dict, dtype: torch.dtype):
     """This rank's tokens: its own count, distinct top-k experts, fp32 weights, some masked-out tokens."""
     gen = torch.Generator().manual_seed(100 + rank)
@@ -77,6 +106,9 @@ def main() -> None:
     with distributed_session(env, backend="gloo", timeout_minutes=2):
         for case in cases:
             dtype = getattr(torch, case["dtype"])
+            if case.get("k3_block"):
+                run_k3_case(case, env.rank, env.world_size, dtype)
+                continue
             experts, source = build_experts(case, dtype)
             x, mask, weights, indices = rank_inputs(env.rank, case, dtype)
             with torch.no_grad():
@@ -90,6 +122,25 @@ def main() -> None:
                 "dtype": str(out.dtype), "equal": bool(torch.equal(out, reference)),
                 "max_abs_diff": (out.float() - reference.float()).abs().max().item(),
                 "max_abs": reference.float().abs().max().item()}), flush=True)
+
+
+def run_k3_case(case: dict, rank: int, world_size: int, dtype: torch.dtype) -> None:
+    """Kimi K3's eval-mode reference-order path; with NeMo also its whole MoE block (gate, shared expert)."""
+    block, source = build_k3_block(dtype)
+    x, _, weights, indices = rank_inputs(rank, case, dtype)
+    hidden = torch.randn(1, x.shape[0], 48, generator=torch.Generator().manual_seed(200 + rank)).to(dtype)
+    with torch.no_grad():
+        reference = block._forward_reference_order(x, indices, weights)
+        whole = block(hidden) if source == "nemo" else None
+        split = copy.deepcopy(block)
+        apply_grouped_experts_parallel(split, ep_group=None, ep_size=world_size, ep_rank=rank)
+        out = split._forward_reference_order(x, indices, weights)
+        whole_split = split(hidden) if source == "nemo" else None
+    equal = torch.equal(out, reference) and (whole is None or torch.equal(whole, whole_split))
+    print("RESULT " + json.dumps({
+        "case": case["name"], "rank": rank, "source": source, "local_experts": split.experts.gate_and_up_projs.shape[0],
+        "dtype": str(out.dtype), "equal": bool(equal), "whole_block_compared": whole is not None,
+        "max_abs_diff": (out.float() - reference.float()).abs().max().item()}), flush=True)
 
 
 if __name__ == "__main__":

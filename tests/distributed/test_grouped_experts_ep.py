@@ -4,7 +4,9 @@ Each rank has its own tokens (41 and 29, 15% masked out); the split module (4 ex
 dispatch) must equal that rank's unsplit single-process forward bit for bit, in fp32 and bf16, for NeMo's
 combine variants: router weight inside the activation (DeepSeek-V4.1 style, with its clamped SwiGLU) and after
 the down projection (Kimi K3's config), with expert biases, and with a routing skew that leaves one rank with no
-rows to compute. With nemo_automodel installed the worker uses NeMo's own class (under TORCHDYNAMO_DISABLE=1,
+rows to compute; and Kimi K3's eval-mode MoE path (``KimiK3MoE._forward_reference_order``, which bypasses
+``experts.forward``), with NeMo installed also its whole MoE block (router, latent projections, shared expert).
+With nemo_automodel installed the worker uses NeMo's own class (under TORCHDYNAMO_DISABLE=1,
 as the model runs on CPU); without it, the faithful copy in _grouped_experts_reference.py (so CI runs it too).
 """
 
@@ -33,6 +35,9 @@ CASES = [
         "bias_after_down": {"after_down": True, "swiglu_limit": 0.0, "expert_bias": True, "skew": False},
         "skew_empty_rank": {"after_down": False, "swiglu_limit": 0.0, "expert_bias": False, "skew": True},
     }.items()
+] + [
+    {"name": f"{dtype}-k3_reference_order{'-skew' if skew else ''}", "dtype": dtype, "k3_block": True, "skew": skew}
+    for dtype in ("float32", "bfloat16") for skew in (False, True)
 ]
 
 
