@@ -1,7 +1,8 @@
 """Run on every rank by tests/distributed/test_grouped_experts_ep.py: GroupedExperts EP vs the unsplit module.
 
-In:  a JSON file of cases (dtype, activation options, routing skew), through torchrun with 2 gloo ranks.
-Out: one ``RESULT {json}`` line per rank and case: whether EP equals this rank's single-process forward bit
+In:  a JSON file of cases (dtype, activation options, routing skew) and an output directory, through torchrun
+     with 2 gloo ranks.
+Out: ``rank{R}.json`` in the output directory, one entry per case: whether EP equals this rank's single-process forward bit
      for bit, the max abs diff, which class was used (NeMo's own, or the faithful copy where NeMo is absent).
 
 Every rank builds the same experts (seed 0) and its own tokens (seed 100 + rank, different counts per rank).
@@ -103,11 +104,12 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = json.loads(open(sys.argv[1]).read())
     env = discover_env()
+    results: list[dict] = []
     with distributed_session(env, backend="gloo", timeout_minutes=2):
         for case in cases:
             dtype = getattr(torch, case["dtype"])
             if case.get("k3_block"):
-                run_k3_case(case, env.rank, env.world_size, dtype)
+                results.append(run_k3_case(case, env.rank, env.world_size, dtype))
                 continue
             experts, source = build_experts(case, dtype)
             x, mask, weights, indices = rank_inputs(env.rank, case, dtype)
@@ -117,14 +119,16 @@ def main() -> None:
                                                        ep_rank=env.rank)
                 local_experts = split.gate_and_up_projs.shape[0]
                 out = split(x, mask, weights, indices)
-            print("RESULT " + json.dumps({
+            results.append({
                 "case": case["name"], "rank": env.rank, "source": source, "local_experts": local_experts,
                 "dtype": str(out.dtype), "equal": bool(torch.equal(out, reference)),
                 "max_abs_diff": (out.float() - reference.float()).abs().max().item(),
-                "max_abs": reference.float().abs().max().item()}), flush=True)
+                "max_abs": reference.float().abs().max().item()})
+    with open(os.path.join(sys.argv[2], f"rank{env.rank}.json"), "w") as handle:
+        json.dump(results, handle)
 
 
-def run_k3_case(case: dict, rank: int, world_size: int, dtype: torch.dtype) -> None:
+def run_k3_case(case: dict, rank: int, world_size: int, dtype: torch.dtype) -> dict:
     """Kimi K3's eval-mode reference-order path; with NeMo also its whole MoE block (gate, shared expert)."""
     block, source = build_k3_block(dtype)
     x, _, weights, indices = rank_inputs(rank, case, dtype)
@@ -137,10 +141,10 @@ def run_k3_case(case: dict, rank: int, world_size: int, dtype: torch.dtype) -> N
         out = split._forward_reference_order(x, indices, weights)
         whole_split = split(hidden) if source == "nemo" else None
     equal = torch.equal(out, reference) and (whole is None or torch.equal(whole, whole_split))
-    print("RESULT " + json.dumps({
-        "case": case["name"], "rank": rank, "source": source, "local_experts": split.experts.gate_and_up_projs.shape[0],
-        "dtype": str(out.dtype), "equal": bool(equal), "whole_block_compared": whole is not None,
-        "max_abs_diff": (out.float() - reference.float()).abs().max().item()}), flush=True)
+    return {"case": case["name"], "rank": rank, "source": source,
+            "local_experts": split.experts.gate_and_up_projs.shape[0], "dtype": str(out.dtype), "equal": bool(equal),
+            "whole_block_compared": whole is not None,
+            "max_abs_diff": (out.float() - reference.float()).abs().max().item()}
 
 
 if __name__ == "__main__":

@@ -43,11 +43,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    cases_file = tmp_path_factory.mktemp("grouped_experts") / "cases.json"
-    cases_file.write_text(json.dumps(CASES))
-    run = run_launcher("torchrun", 2, [WORKER, str(cases_file)], {"TORCHDYNAMO_DISABLE": "1"}, 240)
+    root = tmp_path_factory.mktemp("grouped_experts")
+    (root / "cases.json").write_text(json.dumps(CASES))
+    run = run_launcher("torchrun", 2, [WORKER, str(root / "cases.json"), str(root)], {"TORCHDYNAMO_DISABLE": "1"}, 240)
     assert run.returncode == 0, run.stdout[-4000:]
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in run.stdout.splitlines() if "RESULT " in line]
+    return [row for rank in (0, 1) for row in json.loads((root / f"rank{rank}.json").read_text())]
 
 
 @pytest.mark.parametrize("case", [case["name"] for case in CASES])
