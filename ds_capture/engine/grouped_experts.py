@@ -164,15 +164,15 @@ class ExpertParallelGroupedExperts(nn.Module):
             slots[pair_ids] = slots[pair_ids] + back
             return slots.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(input_dtype)
         # Without it, the loop adds each expert's rows into y in ascending expert id. The pairs are sorted
-        # by expert, so the r-th pair of a token is its r-th expert: add rank by rank.
+        # by expert, so a token's n-th pair is its n-th smallest expert: add the n-th pairs for n = 0, 1, ...
         token = torch.div(pair_ids, top_k, rounding_mode="floor")
-        rank_in_token = torch.zeros_like(token)
+        nth_of_token = torch.zeros_like(token)
         by_token = torch.argsort(token, stable=True)  # stable: ascending expert within a token
         first = torch.searchsorted(token[by_token], token[by_token], right=False)
-        rank_in_token[by_token] = torch.arange(token.numel(), device=token.device) - first
+        nth_of_token[by_token] = torch.arange(token.numel(), device=token.device) - first
         y = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=back.device)
-        for slot in range(top_k):
-            pick = rank_in_token == slot
+        for nth in range(top_k):
+            pick = nth_of_token == nth
             rows = token[pick]
             y[rows] = y[rows] + back[pick]
         return y.to(input_dtype)
