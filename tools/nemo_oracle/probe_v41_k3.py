@@ -198,7 +198,7 @@ def probe_meta_build() -> None:
         with torch.device("meta"):
             meta = build()
         meta.to_empty(device="cpu")
-        missing, unexpected = meta.load_state_dict(real.state_dict(), strict=True), None
+        meta.load_state_dict(real.state_dict(), strict=True)
         meta.eval()
         buffers = sorted(n for n, _ in real.named_buffers() if n not in real.state_dict())
         with torch.no_grad():
