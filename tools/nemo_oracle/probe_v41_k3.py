@@ -272,7 +272,9 @@ def probe_k3(attn_res_block_size) -> None:
     fact("k3.state_dict", native_keys=len(native), hf_keys=len(hf),
          native_kda=sorted(k for k in native if "layers.0.self_attn" in k),
          hf_kda=sorted(k for k in hf if "layers.0.self_attn" in k),
-         hf_experts=sorted(k for k in hf if "experts" in k)[:6])
+         hf_experts=sorted(k for k in hf if "experts" in k)[:6],
+         hf_kda_shapes={k.rsplit(".self_attn.", 1)[1]: tuple(v.shape) for k, v in hf.items()
+                        if ".layers.0.self_attn." in k})
     back = adapter.from_hf(hf)
     fact("k3.adapter_roundtrip", same_keys=sorted(back) == sorted(native),
          missing=sorted(set(native) - set(back))[:8], extra=sorted(set(back) - set(native))[:8],
