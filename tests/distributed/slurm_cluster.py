@@ -193,7 +193,9 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire (default 120 s) is also how long a requeued job waits before it may start again: a job
+            # released earlier (scontrol update StartTime=now) is killed as "Job credential revoked" by slurmd.
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
