@@ -36,15 +36,10 @@ LAYER_IDS = [-1, 0, 1, 2, 3]
 # fsdp2 (engine fsdp2 on 2 ranks; qwen3, qwen3_moe and deepseek_v3 are recorded by test_fsdp2_equivalence.py).
 EQUAL_CASES = [
     ("deepseek_v4", "ep", 2, 1, 2),
-    ("deepseek_v4", "dp", 2, 1, 1),
     ("glm_moe_dsa", "ep", 2, 1, 2),
-    ("gemma4", "dp", 2, 1, 1),
-    ("glm_moe_dsa", "dp", 2, 1, 1),
-    ("kimi_k25", "dp", 2, 1, 1),
     ("kimi_k25", "ep", 2, 1, 2),
     ("kimi_k25", "tp", 2, 2, 1),
     ("kimi_k25", "tp_x_ep", 4, 2, 2),
-    ("mixtral", "dp", 2, 1, 1),
     ("mixtral", "ep", 2, 1, 2),
     ("mixtral", "tp", 2, 2, 1),
     ("mixtral", "tp_x_ep", 4, 2, 2),
@@ -65,6 +60,13 @@ _NEW_FAMILY_CASES = [
     ("gpt_oss", "tp", 2, 2, 1),  # our own plan: head-parallel GQA with its per-head sinks
 ]
 _NEW_FAMILY_SLOW_CASES = [
+    # Plain DP of the families that also run EP or FSDP2 in CI: those cells already put 2 ranks on different data
+    # through the same DP split and writer, and DP leaves the model whole (qwen3-dp, a dense family, stays in CI).
+    ("deepseek_v4", "dp", 2, 1, 1),
+    ("gemma4", "dp", 2, 1, 1),
+    ("glm_moe_dsa", "dp", 2, 1, 1),
+    ("kimi_k25", "dp", 2, 1, 1),
+    ("mixtral", "dp", 2, 1, 1),
     ("glm5_next", "ep", 2, 1, 2),
     ("glm4_moe", "dp", 2, 1, 1),
     ("glm4_moe", "tp", 2, 2, 1),
