@@ -142,6 +142,27 @@ def moe_experts_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.
     return found
 
 
+def check_ep_divides(ep_size: int, num_experts: int, name: str) -> None:
+    if num_experts % ep_size:
+        raise CaptureError(
+            f"distributed.ep_size ({ep_size}) must divide the number of routed experts ({num_experts}) "
+            f"of {name}. Choose an ep_size among the divisors of {num_experts}."
+        )
+
+
+def keep_local_experts(experts: nn.Module, num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """Slice every parameter of ``experts`` with a leading expert dimension to this rank's block of experts
+    (meta tensors stay meta; real ones are cloned, so the full tensors can be freed). Returns (count, first)."""
+    num_local = num_experts // ep_size
+    start = ep_rank * num_local
+    for param_name, param in list(experts.named_parameters(recurse=False)):
+        if param.dim() and param.shape[0] == num_experts:
+            kept = param.detach()[start : start + num_local]
+            kept = kept if kept.is_meta else kept.clone()
+            setattr(experts, param_name, nn.Parameter(kept, requires_grad=False))
+    return num_local, start
+
+
 def apply_expert_parallel(model: nn.Module, family: Family, *, ep_group: dist.ProcessGroup | None, ep_size: int,
                           ep_rank: int) -> nn.Module:
     """Keep experts ``[ep_rank*E/ep, (ep_rank+1)*E/ep)`` in every MoE block and route tokens with all-to-all.
@@ -162,25 +183,14 @@ def apply_expert_parallel(model: nn.Module, family: Family, *, ep_group: dist.Pr
                              f"{family.moe_block}.{family.experts}")
     for name, experts in blocks:
         num_experts = experts.num_experts
-        if num_experts % ep_size:
-            raise CaptureError(
-                f"distributed.ep_size ({ep_size}) must divide the number of routed experts ({num_experts}) "
-                f"of {name}. Choose an ep_size among the divisors of {num_experts}."
-            )
+        check_ep_divides(ep_size, num_experts, name)
         implementation = experts.config._experts_implementation
         if implementation not in _COMBINES:
             raise CaptureError(
                 f"target_experts_implementation {implementation!r} has no exact expert-parallel combine; "
                 f"use one of {sorted(_COMBINES)}."
             )
-        num_local = num_experts // ep_size
-        start = ep_rank * num_local
-        # Every parameter with a leading expert dimension keeps this rank's block of experts.
-        for param_name, param in list(experts.named_parameters(recurse=False)):
-            if param.dim() and param.shape[0] == num_experts:
-                kept = param.detach()[start : start + num_local]
-                kept = kept if kept.is_meta else kept.clone()
-                setattr(experts, param_name, nn.Parameter(kept, requires_grad=False))
+        num_local, start = keep_local_experts(experts, num_experts, ep_size, ep_rank)
         experts.__class__ = _expert_parallel_class(type(experts))
         experts.num_experts = num_local
         experts.num_global_experts = num_experts

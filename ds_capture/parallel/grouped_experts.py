@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.expert_parallel import check_ep_divides, keep_local_experts
 
 
 def _expert_rows(module: nn.Module, x: torch.Tensor, w: torch.Tensor, local_idx: int,
@@ -222,23 +223,13 @@ def apply_grouped_experts_parallel(model: nn.Module, *, ep_group: dist.ProcessGr
         if isinstance(experts, ExpertParallelGroupedExperts):
             raise AssertionError(f"{name} is already expert-parallel")
         num_experts = experts.n_routed_experts
-        if num_experts % ep_size:
-            raise CaptureError(
-                f"distributed.ep_size ({ep_size}) must divide the number of routed experts ({num_experts}) "
-                f"of {name}. Choose an ep_size among the divisors of {num_experts}."
-            )
+        check_ep_divides(ep_size, num_experts, name)
         if experts.use_torch_mm:
             raise CaptureError(
                 f"{name}: NeMo's grouped-GEMM experts backend has no exact expert-parallel combine here; "
                 f"build the model with BackendConfig(experts='torch')."
             )
-        num_local = num_experts // ep_size
-        start = ep_rank * num_local
-        for param_name, param in list(experts.named_parameters(recurse=False)):
-            if param.dim() and param.shape[0] == num_experts:
-                kept = param.detach()[start : start + num_local]
-                kept = kept if kept.is_meta else kept.clone()
-                setattr(experts, param_name, nn.Parameter(kept, requires_grad=False))
+        num_local, start = keep_local_experts(experts, num_experts, ep_size, ep_rank)
         _swap_class(experts, ExpertParallelGroupedExperts)
         experts.num_local_experts = num_local
         experts.expert_start = start
