@@ -161,21 +161,23 @@ _DENSE_ONLY = (
 )
 
 _DEEPSEEK_V41 = (
-    "model_type {model_type!r} (DeepSeek-V4.1) has no transformers implementation, and NeMo AutoModel 0.7.0's "
-    "DeepseekV41ForCausalLM (which builds and runs on CPU with BackendConfig(attn='sdpa', linear='torch', "
-    "experts='torch', dispatcher='torch')) cannot be driven exactly here yet: its routed experts are NeMo's "
-    "GroupedExperts (forward(x, token_mask, weights, indices)), not transformers' fused experts the "
-    "expert-parallel layer splits; its release keys are converted by NeMo's DeepseekV41StateDictAdapter.from_hf over "
-    "a whole state dict, not the per-tensor conversion mapping the sliced loader uses; and NeMo captures its DSpark "
-    "features at the input of model.layers[str(i)].attn_hc (a ModuleDict), not at decoder-layer outputs. Run "
-    "NeMo AutoModel's own DSpark precompute for this target until ds_capture gains a NeMo implementation "
-    "(an expert-parallel GroupedExperts, a per-tensor from_hf mapping, and an input capture point)."
+    "model_type {model_type!r} (DeepSeek-V4.1) has no transformers implementation; NeMo AutoModel 0.7.0's "
+    "DeepseekV41ForCausalLM builds and runs on CPU (BackendConfig(attn='sdpa', linear='torch', experts='torch', "
+    "dispatcher='torch')), and ds_capture has an exact expert-parallel split of its GroupedExperts "
+    "(ds_capture.parallel.grouped_experts), but not yet the rest of the family: its capture point (the input of "
+    "model.layers[str(i)].attn_hc, NeMo's layer-id rule), computing every row at seq_length (its indexer breaks "
+    "top-k ties differently at other widths), and a per-tensor form of DeepseekV41StateDictAdapter.from_hf for the "
+    "sliced loader (docs/nemo_families_notes.md). Run NeMo AutoModel's own DSpark precompute for this target "
+    "until then."
 )
 _KIMI_K3 = (
-    "model_type {model_type!r} (Kimi K3) has no transformers implementation, and NeMo AutoModel 0.7.0's Kimi K3 "
-    "model computes its KDA layers with the flash-linear-attention (fla) Triton kernels or a CUDA fused kernel only: "
-    "there is no CPU path, and fla is not a dependency here. Run NeMo AutoModel's own DSpark precompute on GPUs "
-    "(pip install flash-linear-attention) for this target."
+    "model_type {model_type!r} (Kimi K3) has no transformers implementation; NeMo AutoModel 0.7.0's KimiK3ForCausalLM "
+    "needs the flash-linear-attention (fla) Triton kernels, for which ds_capture has a CPU torch reference "
+    "(ds_capture.target.nemo_fla, with the nemo extra) and an exact expert-parallel split of its experts "
+    "(ds_capture.parallel.grouped_experts), but not yet the rest of the family: its capture points (NeMo's "
+    "DSpark target wrapper's, block partial sums with attention residuals), its release layout (the "
+    "vision-language wrapper, padded A_log) in the sliced loader (docs/nemo_families_notes.md). Run NeMo "
+    "AutoModel's own DSpark precompute on GPUs for this target until then."
 )
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer

@@ -366,10 +366,10 @@ def test_gpt_oss_sdpa_is_refused_before_loading(family_target, tmp_path):
 
 
 @pytest.mark.parametrize("model_type, start", [
-    ("deepseek_v41", "config.json: model_type 'deepseek_v41' (DeepSeek-V4.1) has no transformers implementation, and "
-                     "NeMo AutoModel 0.7.0's DeepseekV41ForCausalLM"),
-    ("kimi_k3", "config.json: model_type 'kimi_k3' (Kimi K3) has no transformers implementation, and NeMo AutoModel "
-                "0.7.0's Kimi K3 model computes its KDA layers with the flash-linear-attention (fla) Triton kernels"),
+    ("deepseek_v41", "config.json: model_type 'deepseek_v41' (DeepSeek-V4.1) has no transformers implementation; "
+                     "NeMo AutoModel 0.7.0's DeepseekV41ForCausalLM builds and runs on CPU"),
+    ("kimi_k3", "config.json: model_type 'kimi_k3' (Kimi K3) has no transformers implementation; NeMo AutoModel "
+                "0.7.0's KimiK3ForCausalLM needs the flash-linear-attention (fla) Triton kernels"),
 ])
 def test_nemo_only_targets_are_refused_with_the_reason(tmp_path, model_type, start):
     """Refused from config.json alone, before transformers is asked to read a config it does not know."""
