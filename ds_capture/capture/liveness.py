@@ -15,8 +15,11 @@ In: this rank's :class:`~ds_capture.parallel.dist.DistEnv` (rank, world, master 
 
 A frozen rank that wakes up after its peers gave up must not publish or write anything. Its last published
 heartbeat is then older than the limit (peers saw it no earlier than it was sent), and its watch thread
-overslept: :func:`refuse_if_frozen`, called before every shard/manifest rename and by the heartbeat and
-fail-fast paths before they publish, exits at once with a message and writes nothing. Times are this host's
+overslept: :func:`refuse_if_frozen`, called before every file the writer starts, every write into a shard, every
+rename and by the heartbeat and fail-fast paths before they publish, exits at once with a message and writes
+nothing. (SIGSTOP stops each thread wherever it is, so the writer thread can resume mid-shard: it is checked
+before each write, not only before the rename. Only a system call already under way when the stop came can
+still complete.) Times are this host's
 ``time.monotonic`` (it keeps counting while a process is stopped); no clock is compared across hosts.
 
 Heartbeats come from threads, so they continue while the main thread loads a model for many minutes; a main

@@ -196,6 +196,38 @@ def test_a_rank_woken_from_a_freeze_publishes_and_writes_nothing(capfd):
                          "exits without publishing or writing anything. Rerun the same command to continue."), line
 
 
+def test_a_writer_thread_resuming_mid_shard_after_a_freeze_writes_no_further_byte(tmp_path):
+    """SIGSTOP stops every thread wherever it is: the writer may resume with a shard half written, or between a
+    shard's rename and its checksum sidecar. Once woken it must neither add rows to the ``.tmp`` nor start the
+    sidecar (CI caught a ``shard-000003.checksum.tmp`` appearing after the wake)."""
+    import torch
+
+    from ds_capture.cache.common.files import write_checksum_sidecar
+    from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile
+
+    store, exits, clock, stop = FrozenableStore(), Exits(), JumpingClock(), threading.Event()
+    beat_forever(store.inner, "ds_capture/liveness/1/beat/1", stop)
+    layout = SafetensorsLayout.build({"x": ((2, 3), torch.float32)})
+    try:
+        with Liveness(env(0, 2), limit_s=LIMIT_S, store=store, exit=exits, clock=clock):
+            shard = ShardFile(tmp_path / "shard-000000.safetensors", layout)
+            shard.write_rows(torch.tensor([0]), {"x": torch.ones(1, 3)}, torch.tensor([3]))
+            before = shard.tmp.read_bytes()
+            clock.offset += 5 * LIMIT_S
+            with pytest.raises(SystemExit):
+                shard._pwrite(torch.full((3,), 2.0).numpy(), layout.slot("x").offset + 12)
+            with pytest.raises(SystemExit):
+                write_checksum_sidecar(tmp_path, 0, "xxh3_128rows:" + "0" * 32)
+            assert exits.called.wait(timeout=5)
+    except SystemExit:
+        pass
+    finally:
+        stop.set()
+    assert shard.tmp.read_bytes() == before
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "shard-000000.safetensors.tmp"]
+
+
 def test_a_rank_leaving_on_its_own_is_marked_done_and_not_watched():
     store, exits = FrozenableStore(), Exits()
     with Liveness(env(1, 2), limit_s=LIMIT_S, store=store, exit=exits):

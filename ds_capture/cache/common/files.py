@@ -50,6 +50,7 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on ``<name>.tmp``, fsync it, rename it over ``path``; never a partial ``path``."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
+    refuse_if_frozen()  # nor starts a file (a writer thread frozen mid-shard resumes here on SIGCONT)
     try:
         write(tmp)
         with open(tmp, "rb") as f:
@@ -112,6 +113,7 @@ def checksum_matches(path: Path, recorded: str) -> bool:
 def write_checksum_sidecar(out_dir: Path, index: int, checksum: str) -> None:
     """Record shard ``index``'s tagged checksum (atomically); drops an earlier version's sha256 sidecar."""
     sidecar = checksum_path(out_dir, index)
+    refuse_if_frozen()  # a rank woken after its peers gave up creates nothing, not even the directory
     sidecar.parent.mkdir(parents=True, exist_ok=True)
     line = f"{checksum}  {shard_name(index)}\n"
     write_atomic(sidecar, lambda tmp: tmp.write_text(line, encoding="utf-8"))

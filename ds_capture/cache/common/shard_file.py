@@ -171,6 +171,7 @@ class ShardFile:
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         while len(view):
+            refuse_if_frozen()  # a writer thread stopped mid-shard writes no further byte once woken
             done = os.pwrite(self._fd, view, offset)
             view, offset = view[done:], offset + done
             self.bytes_written += done
