@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -246,14 +246,21 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     kind.start(target, device=device, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
                manifest=manifest, writes=plan.is_writer)
     options = cfg.capture
+    if target.family.full_width and options.pad_to_multiple_of:
+        _LOG.info("capture.pad_to_multiple_of %d does not apply to model_type %r: every row is computed at "
+                     "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
+                     target.family.width_reason)
+        options = replace(options, pad_to_multiple_of=0)
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
         index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
+    # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
+    forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False, "logits_to_keep": 1}
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
     # ranks that run out of data forward a tiny padding batch whose output is discarded.
     num_steps = all_reduce_max_int(len(batches))
     loop_started = time.perf_counter()
-    filler = _padding_batch(min(args.seq_length, 8), pad_id)
+    filler = _padding_batch(args.seq_length if target.family.full_width else min(args.seq_length, 8), pad_id)
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
                         is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
@@ -277,7 +284,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             hooks.reset()
             # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
             # distribution in chunks from the final hidden state, checked against these last logits).
-            output = model(**inputs, use_cache=False, logits_to_keep=1)
+            output = model(**inputs, **forward_kwargs)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue

@@ -8,7 +8,9 @@ Layer-id semantics (DESIGN §3), for L decoder layers: id ``i`` in ``0..L-2`` is
 decoder layer ``i`` (Hugging Face ``hidden_states[i+1]``); id ``L-1`` is the post-final-norm output
 (so its slice equals the last hidden state); id ``-1`` is the embedding output. With
 ``pre_norm_last`` (EAGLE-3's semantics) id ``L-1`` is the last decoder layer's own output instead, and
-the post-norm state is still recorded as the last hidden state.
+the post-norm state is still recorded as the last hidden state. A family with a ``feature_module``
+(DeepSeek-V4.1, NeMo's ``get_dspark_target_feature_modules``) captures that module's forward *input* in
+layer ``i`` for every id ``0..L-1`` (the last one too), reduced by the family (mean over the streams).
 """
 
 from __future__ import annotations
@@ -31,11 +33,24 @@ def default_layer_ids(num_layers: int, draft_num_hidden_layers: int = 5) -> list
 
 
 def resolve_layer_ids(
-    configured: tuple[int, ...] | None, num_layers: int, draft_num_hidden_layers: int, *, source: str
+    configured: tuple[int, ...] | None, num_layers: int, draft_num_hidden_layers: int, *, source: str,
+    family: Family | None = None,
 ) -> list[int]:
-    """The configured ids checked against the target's layer count, or the default rule."""
+    """The configured ids checked against the target's layer count, or the default rule.
+
+    A family with a ``feature_module`` (DeepSeek-V4.1) takes ids ``0..L-1`` only, strictly increasing, as NeMo's
+    ``get_dspark_target_feature_modules`` does."""
     if configured is None:
         return default_layer_ids(num_layers, draft_num_hidden_layers)
+    if family is not None and family.feature_module:
+        bad = [i for i in configured if not 0 <= i <= num_layers - 1]
+        if bad or list(configured) != sorted(set(configured)):
+            raise CaptureError(
+                f"{source}: `recipe_args.target_layer_ids` {list(configured)}: model_type {family.model_type!r} takes "
+                f"strictly increasing ids in 0..{num_layers - 1} (id i is the residual streams entering decoder layer "
+                f"i, {family.feature_module}'s input, so 0 is the embedding output; -1 is not accepted, as in NeMo)."
+            )
+        return list(configured)
     bad = [i for i in configured if not -1 <= i <= num_layers - 1]
     if bad:
         raise CaptureError(
@@ -57,7 +72,7 @@ class LayerCapture:
     def __init__(self, layer_ids: list[int], num_layers: int, family: Family, *, pre_norm_last: bool = False) -> None:
         self.layer_ids = layer_ids
         self.num_layers = num_layers
-        self.post_norm_id = None if pre_norm_last else num_layers - 1
+        self.post_norm_id = None if pre_norm_last or family.feature_module else num_layers - 1
         self.family = family
         self._seen: dict[int, torch.Tensor] = {}
         self._last: torch.Tensor | None = None
@@ -97,10 +112,16 @@ def capture_hidden_states(
     handles = []
     try:
         for layer_id in layer_ids:
+            if family.feature_module:  # the module's input: the streams entering layer `layer_id`
+                module = getattr(family.layer(layers, layer_id), family.feature_module)
+                handles.append(module.register_forward_pre_hook(
+                    lambda _m, args, layer_id=layer_id: capture._record(layer_id, family.reduce_layer_output(args[0]))
+                ))
+                continue
             if layer_id == -1:
                 module = model.get_submodule(family.embed_tokens)
             elif layer_id != capture.post_norm_id:
-                module = layers[layer_id]
+                module = family.layer(layers, layer_id)
             else:
                 continue  # L-1 is the final norm output, recorded below for every run
             handles.append(module.register_forward_hook(

@@ -172,6 +172,10 @@ def apply_expert_parallel(model: nn.Module, family: Family, *, ep_group: dist.Pr
     """
     if ep_size == 1:
         return model
+    if family.is_nemo:  # NeMo's GroupedExperts: their own exact split
+        from ds_capture.parallel.grouped_experts import apply_grouped_experts_parallel
+
+        return apply_grouped_experts_parallel(model, ep_group=ep_group, ep_size=ep_size, ep_rank=ep_rank)
     if not family.is_moe or not family.supports_ep:
         raise CaptureError(
             f"distributed.ep_size ({ep_size}): model_type {family.model_type!r} has no expert-parallel layout. "

@@ -79,7 +79,8 @@ def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
-    for layer in get_submodule(model, target.family.layers):
+    layers = get_submodule(model, target.family.layers)
+    for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):  # NeMo's classes: a ModuleDict
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
@@ -123,6 +124,8 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     layout = record_tensor_layout(model)
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
     restore_tensor_layout(model, layout)
+    if target.family.is_nemo:  # NeMo's class: the release layout, placed one tensor at a time into the local chunks
+        return _load_nemo_shards(model, target)
     compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
     index, key_map, state = checkpoint_sources(model, target)
@@ -140,3 +143,24 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
         else:
             destinations[name] = tensor
     return fill_from_checkpoint(index, key_map, destinations, owned)
+
+
+def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
+    """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers
+
+    destinations: dict[str, torch.Tensor] = {}
+    rows: dict[str, tuple[int, int]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, DTensor):
+            start, length, full = _local_rows(tensor)
+            destinations[name] = tensor.to_local()
+            if length < full:
+                rows[name] = (start, length)
+        else:
+            destinations[name] = tensor
+    stats = fill_from_release(target, destinations, rows)
+    init_nonpersistent_buffers(model, target.family)
+    return stats

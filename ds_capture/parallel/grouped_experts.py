@@ -42,6 +42,7 @@ from torch import nn
 
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.expert_parallel import check_ep_divides, keep_local_experts
+from ds_capture.target.nemo_models import is_grouped_experts
 
 
 def _expert_rows(module: nn.Module, x: torch.Tensor, w: torch.Tensor, local_idx: int,
@@ -197,11 +198,6 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     if (mixin, cls) not in _EP_CLASSES:
         _EP_CLASSES[(mixin, cls)] = type(f"ExpertParallel{cls.__name__}", (mixin, cls), {})
     module.__class__ = _EP_CLASSES[(mixin, cls)]
-
-
-def is_grouped_experts(module: nn.Module) -> bool:
-    """NeMo's ``GroupedExperts`` (or a subclass), recognised by class name so NeMo need not be imported."""
-    return any(cls.__name__ == "GroupedExperts" for cls in type(module).__mro__)
 
 
 def apply_grouped_experts_parallel(model: nn.Module, *, ep_group: dist.ProcessGroup | None, ep_size: int,

@@ -128,7 +128,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     args = cfg.recipe_args
     target = _read_target(args.target_path, args.trust_remote_code)
     layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
-                                  source=cfg.source)
+                                  source=cfg.source, family=target.family)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     world_size = world_size or _smallest_world(tp_size, ep_size)

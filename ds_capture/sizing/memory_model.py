@@ -129,7 +129,7 @@ class Term:
 
 def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
-                             keys_per_query: float = 1.0, indexer_bytes: int = 0,
+                             keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
@@ -137,7 +137,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     transients are not additive: one block runs at a time, so the peak is the stack terms + the largest block.
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
-    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.target.families`);
+    sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.target.families`); ``bias_bytes`` a
+    dense attention bias alive with the attention (DeepSeek-V4.1's fp32 ``[B, H, S, S + W + 1]``);
     ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
     experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
@@ -165,6 +166,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
             scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
         note += f" + eager attention's [B, {shapes.attention_heads}, S, {keys}] scores (3 live copies)"
+    if bias_bytes:
+        scores += bias_bytes
+        note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"
     if indexer_bytes:
         note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
     attention += max(scores, indexer_bytes)

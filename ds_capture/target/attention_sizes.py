@@ -37,3 +37,15 @@ def compressed_rate(text_config, layer_type: str) -> int:
     if layer_type not in (text_config.layer_types or ()):
         return 0
     return int((text_config.compress_rates or {}).get(layer_type, 0))
+
+
+def v41_dense_attention_bias(text_config, batch: int, seq_length: int) -> int:
+    """DeepSeek-V4.1's SDPA / eager attention (NeMo's non-TileLang path): an fp32 bias ``[B, H, S, S + W + 1]``
+    (the sliding-window mask over S keys, W = S / ratio compressed keys, one sink column), built as a
+    ``[B, 1, S, S + W]`` mask, its masked copy, then the expanded concatenation. At the layer with the smallest
+    compress ratio; about 8.6 GB per call at H = 64, S = 4096, ratio 4, B = 1."""
+    ratios = [r for r in text_config.compress_ratios[: text_config.num_hidden_layers] if r]
+    width = seq_length // min(ratios) if ratios else 0
+    keys = seq_length + width
+    heads = text_config.num_attention_heads
+    return batch * seq_length * 4 * (2 * keys + heads * (keys + 1))

@@ -69,6 +69,8 @@ class Family:
     """Attention keys per query relative to S (compressed KV appended), from the text config (ds-capture plan)."""
     indexer_scores: Callable[[Any, int, int], int] | None = None
     """Bytes of the scores a sparse-attention indexer materialises for a [B, S] batch (ds-capture plan)."""
+    attention_bias: Callable[[Any, int, int], int] | None = None
+    """Bytes of a dense attention bias the attention builds for a [B, S] batch, alive with its scores (plan)."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -96,11 +98,37 @@ class Family:
     tp_replicates_kv_heads: bool = False
     """``tp_plan`` keeps the key/value heads whole (DeepSeek-V4's one KV head, broadcast to each rank's query
     heads), so tp_size need not divide them."""
+    implementation: str = "transformers"
+    """Who builds the model: ``transformers`` (``auto_class``) or ``nemo`` (NeMo AutoModel 0.7.0's own class
+    ``nemo_class``, the ``nemo`` extra: :mod:`ds_capture.target.nemo_models`)."""
+    nemo_class: str = ""
+    """``module:Class`` of NeMo's causal LM for this family (``implementation == "nemo"``)."""
+    nemo_config_class: str = ""
+    """``module:Class`` of NeMo's config for this family's ``config.json``."""
+    release_placement: str = ""
+    """``module:function`` ``(release key, NeMo config) -> Placement | None``: where one (logical) release tensor
+    goes in NeMo's model (:mod:`ds_capture.target.nemo_release`); None: never read."""
+    buffer_modules: tuple[str, ...] = ()
+    """Modules of a NeMo model whose non-persistent buffers their own ``init_weights()`` recomputes after load."""
+    needs_fla: bool = False
+    """The NeMo class imports flash-linear-attention's kernels (CPU torch providers where absent: :mod:`.nemo_fla`)."""
+    feature_module: str | None = None
+    """Decoder-layer-relative module whose forward *input* is feature ``i`` (NeMo's
+    ``get_dspark_target_feature_modules``): ids are then ``0..L-1``, each that module's input reduced by
+    ``reduce_layer_output``, the last id included (not the post-norm state), and ``-1`` is refused."""
+    eagle3_refusal: str = ""
+    """Non-empty: the EAGLE-3 cache kind is refused for this family (the reason)."""
+    full_width: bool = False
+    """Every row is computed at ``seq_length`` (as NeMo computes it): the family's output at a position depends on
+    the computed width, so ``capture.pad_to_multiple_of`` does not apply."""
+    width_reason: str = ""
+    """Why ``full_width`` (shown when length bucketing is configured)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:
         """The text decoder's config object (``config`` itself for plain causal LMs)."""
-        return getattr(config, self.text_config_attr) if self.text_config_attr else config
+        # A NeMo family's checkpoint may hold the text config alone (Kimi K3 as `kimi_linear`).
+        return getattr(config, self.text_config_attr, config) if self.text_config_attr else config
 
     def build_config(self, config: Any) -> Any:
         """The config the model class is built from: the text config where the family builds from it."""
@@ -137,6 +165,15 @@ class Family:
     def is_moe(self) -> bool:
         return self.moe_block is not None
 
+    @property
+    def is_nemo(self) -> bool:
+        return self.implementation == "nemo"
+
+    def layer(self, layers: Any, index: int) -> torch.nn.Module:
+        """Decoder layer ``index`` of the ``layers`` container (a ``ModuleList``, or NeMo's ``ModuleDict`` keyed
+        ``"0".."L-1"``)."""
+        return layers[str(index)] if isinstance(layers, torch.nn.ModuleDict) else layers[index]
+
 
 _MULTIMODAL_ONLY = (
     "model_type {model_type!r} is a multimodal-only target: its cache would not be text-only, which the "
@@ -160,25 +197,23 @@ _DENSE_ONLY = (
     "Keep ep_size 1 (use tp_size or data parallelism)."
 )
 
-_DEEPSEEK_V41 = (
-    "model_type {model_type!r} (DeepSeek-V4.1) has no transformers implementation; NeMo AutoModel 0.7.0's "
-    "DeepseekV41ForCausalLM builds and runs on CPU (BackendConfig(attn='sdpa', linear='torch', experts='torch', "
-    "dispatcher='torch')), and ds_capture has an exact expert-parallel split of its GroupedExperts "
-    "(ds_capture.parallel.grouped_experts), but not yet the rest of the family: its capture point (the input of "
-    "model.layers[str(i)].attn_hc, NeMo's layer-id rule), computing every row at seq_length (its indexer breaks "
-    "top-k ties differently at other widths), and a per-tensor form of DeepseekV41StateDictAdapter.from_hf for the "
-    "sliced loader (docs/nemo_families_notes.md). Run NeMo AutoModel's own DSpark precompute for this target "
-    "until then."
+_NEMO_NO_TP = (
+    "model_type {model_type!r} is built by NeMo AutoModel's {cls}, which declares no tensor-parallel plan "
+    "(ModelCapabilities.supports_tp is False) and whose attention ({what}) DeepSpeed AutoTP cannot shard "
+    "correctly. Keep tp_size 1: use ep_size for the routed experts and data parallelism for throughput."
 )
-_KIMI_K3 = (
-    "model_type {model_type!r} (Kimi K3) has no transformers implementation; NeMo AutoModel 0.7.0's KimiK3ForCausalLM "
-    "needs the flash-linear-attention (fla) Triton kernels, for which ds_capture has a CPU torch reference "
-    "(ds_capture.target.nemo_fla, with the nemo extra) and an exact expert-parallel split of its experts "
-    "(ds_capture.parallel.grouped_experts), but not yet the rest of the family: its capture points (NeMo's "
-    "DSpark target wrapper's, block partial sums with attention residuals), its release layout (the "
-    "vision-language wrapper, padded A_log) in the sliced loader (docs/nemo_families_notes.md). Run NeMo "
-    "AutoModel's own DSpark precompute on GPUs for this target until then."
+_V41_WIDTH = (
+    "DeepSeek-V4.1's indexer keeps its top-k of exactly tied (ReLU-summed) scores differently at different "
+    "computed widths, so a row's states depend on how wide it is computed; NeMo computes every row at seq_length"
 )
+_V41_EAGLE3 = (
+    "model_type 'deepseek_v41' has no EAGLE-3 contract to match: NeMo AutoModel 0.7.0's EAGLE-3 target wrapper "
+    "(HFEagle3TargetModel) concatenates the decoder layers' outputs, which for DeepSeek-V4.1 are the 4 residual "
+    "streams [B, S, 4, H], into a tensor its trainer cannot read (it expects [B, S, 3H]). Use cache_kind: dspark "
+    "(NeMo's DSpark wrapper captures this family's own feature points)."
+)
+_NEMO = "nemo_automodel.components.models"
+_NEMO_SDPA = "NeMo's class is built with its torch backend, BackendConfig(attn='sdpa', experts='torch')"
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
 # scores every key with all its heads, so it cannot be head-split without changing its top-k), o_proj gathered, and
@@ -353,10 +388,48 @@ FAMILIES: dict[str, Family] = {
         Family(model_type="minimax_m3_vl", refusal=_MULTIMODAL_ONLY),
         # No transformers implementation; NeMo AutoModel 0.7.0's classes build and run on CPU but cannot be
         # driven through this project's layers yet (see the reasons: measured with its tiny CPU build).
-        Family(model_type="deepseek_v41", refusal=_DEEPSEEK_V41),
-        Family(model_type="kimi_k3", refusal=_KIMI_K3),
+        # DeepSeek-V4.1: NeMo's class (no transformers implementation). Features are the streams entering layer i
+        # (the input of its attention hyper-connection, after the layer's Engram update), mean over the 4 streams.
+        Family(
+            model_type="deepseek_v41", implementation="nemo", text_config_attr="text_config",
+            nemo_class=f"{_NEMO}.deepseek_v41.model:DeepseekV41ForCausalLM",
+            nemo_config_class=f"{_NEMO}.deepseek_v41.config:DeepseekV41Config",
+            release_placement="ds_capture.target.nemo_v41:v41_placement", buffer_modules=("model.engram_hash",),
+            embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",
+            num_experts_key="n_routed_experts", residual_streams_key="hc_mult",
+            feature_module="attn_hc", reduce_layer_output=_mean_over_hyper_connections,
+            eagle3_refusal=_V41_EAGLE3, full_width=True, width_reason=_V41_WIDTH, attention_bias=attention_sizes.v41_dense_attention_bias, attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
+            supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="deepseek_v41", cls="DeepseekV41ForCausalLM",
+                                                            what="one shared KV head, grouped low-rank output, "
+                                                            "compressed KV and its indexer"),
+        ),
+        # Kimi K3: NeMo's class, released as its vision-language wrapper (text keys under `language_model.`); KDA
+        # layers need fla's kernels (CPU torch providers where absent). NeMo's generic capture rule.
+        Family(
+            model_type="kimi_k3", implementation="nemo", text_config_attr="text_config", needs_fla=True,
+            nemo_class=f"{_NEMO}.kimi_k3.model:KimiK3ForCausalLM",
+            nemo_config_class=f"{_NEMO}.kimi_k3.config:KimiK3Config",
+            release_placement="ds_capture.target.nemo_k3:k3_placement",
+            embed_weight_key="language_model.model.embed_tokens.weight",
+            lm_head_weight_key="language_model.lm_head.weight", moe_block="mlp", num_experts_key="num_experts",
+            attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
+            supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="kimi_k3", cls="KimiK3ForCausalLM",
+                                                            what="KDA short convolutions and gates, MLA"),
+        ),
     )
 }
+
+
+def resolve_model_type(raw: Mapping[str, Any]) -> str:
+    """The registry key for a raw ``config.json``: its ``model_type``, except that Kimi K3's text config claims
+    ``kimi_linear`` (Kimi-Linear's type, a transformers family): K3-only fields make it ``kimi_k3``, as NeMo reads it."""
+    model_type = raw.get("model_type", "")
+    if model_type == "kimi_linear":
+        from ds_capture.target.nemo_k3 import is_kimi_k3
+
+        if is_kimi_k3(dict(raw)):
+            return "kimi_k3"
+    return model_type
 
 
 def get_family(model_type: str, *, source: str = "config.json") -> Family:
@@ -433,15 +506,20 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
-    model_type = raw.get("model_type", "")
+    model_type = resolve_model_type(raw)
     family = get_family(model_type, source=str(config_path))
     from ds_capture.target.quant import read_quant_config
 
     read_quant_config(raw, config_path)  # an unsupported quant_method is refused before any weight loads
-    try:
-        config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, TypeError) as error:
-        raise CaptureError(f"{config_path}: transformers cannot read this config ({error}).") from error
+    if family.is_nemo:
+        from ds_capture.target.nemo_models import read_nemo_config
+
+        config = read_nemo_config(family, Path(target_dir))
+    else:
+        try:
+            config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+        except (ValueError, OSError, TypeError) as error:
+            raise CaptureError(f"{config_path}: transformers cannot read this config ({error}).") from error
     text = family.text_config(config)
     num_experts = getattr(text, family.num_experts_key, None) if family.num_experts_key else None
     return TargetInfo(

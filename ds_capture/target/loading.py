@@ -73,6 +73,11 @@ def build_meta_model(target: TargetInfo, *, dtype: torch.dtype, attn_implementat
     import transformers
 
     family = target.family
+    if family.is_nemo:  # NeMo AutoModel's own class (the nemo extra)
+        from ds_capture.target.nemo_models import build_nemo_meta_model
+
+        family.resolve_attn_implementation(attn_implementation)
+        return build_nemo_meta_model(target, dtype=dtype)
     config = family.build_config(transformers.AutoConfig.from_pretrained(target.path))
     if target.checkpoint_num_hidden_layers is not None:
         _reduce_depth(family.text_config(config), target.num_hidden_layers)
@@ -344,6 +349,10 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     Missing checkpoint tensors and checkpoint tensors the model has no place for are errors that name
     them. Non-persistent buffers are computed from the config (:func:`compute_host_buffers`).
     """
+    if target.family.is_nemo:  # filled from the release layout, one tensor at a time (NeMo's adapters, per tensor)
+        from ds_capture.target.nemo_models import load_nemo_parameters
+
+        return load_nemo_parameters(model, target, device or default_device())
     owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         layout, shared = record_tensor_layout(model), _shared_tensor_names(model)

@@ -61,7 +61,7 @@ class DSparkKind:
     def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
         args = cfg.recipe_args
         return resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
-                                 source=cfg.source)
+                                 source=cfg.source, family=target.family)
 
     def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer: Any,
                        chat_template: str, num_samples: int, plan: ParallelLayout) -> Manifest:

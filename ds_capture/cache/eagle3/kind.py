@@ -104,6 +104,8 @@ class Eagle3Kind:
         return (Path(out_dir) / BOOKKEEPING_DIR / COMPLETE_NAME).is_file()
 
     def resolve_layer_ids(self, cfg: RunConfig, target: TargetInfo) -> list[int]:
+        if target.family.eagle3_refusal:
+            raise CaptureError(f"{cfg.source}: cache_kind eagle3: {target.family.eagle3_refusal}")
         return resolve_aux_layer_ids(cfg.recipe_args.aux_layer_ids, target.num_hidden_layers, source=cfg.source)
 
     def build_manifest(self, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], *, tokenizer,
@@ -218,7 +220,8 @@ class Eagle3Kind:
 
     def _check_logits(self, last: torch.Tensor, output: Any) -> None:
         """lm_head(final norm output) must be the model's own logits (here at the last computed position)."""
-        theirs = output.logits[:, -1].float()
+        logits = output.logits if hasattr(output, "logits") else output  # NeMo's own classes may return the tensor
+        theirs = logits[:, -1].float()
         ours = self.distribution.logits(last[:, -1]).float()
         scale = max(1.0, float(theirs.abs().max()))
         diff = float((ours - theirs).abs().max())

@@ -1,0 +1,282 @@
+"""Targets built by NeMo AutoModel 0.7.0's own model classes (DeepSeek-V4.1, Kimi K3): the ``nemo`` extra.
+
+In:  a :class:`~ds_capture.target.families.TargetInfo` whose family's ``implementation`` is ``"nemo"`` (its
+     ``nemo_class`` / ``nemo_config_class``, ``release_placement`` and ``buffer_modules``), the compute dtype.
+Out: :func:`read_nemo_config` -> NeMo's config object for the checkpoint; :func:`build_nemo_meta_model` -> the
+     model on ``meta`` with the CPU-capable backend; :func:`load_nemo_parameters` -> the same model materialised
+     on the rank's device and filled (:func:`fill_from_release`, also the FSDP2 engine's) from the *release*
+     checkpoint one logical tensor at a time (quantized ones dequantized by :mod:`.quant`), reading only the
+     routed experts this rank owns.
+
+NeMo's state-dict adapters convert a whole release state dict; what they do is per tensor (a key rename, one
+weight / scale pair dequantized, one expert's ``w1 / w3 / w2`` written as a slice of the stacked expert tensor).
+The family's ``release_placement(key, config)`` says, for one release key, which native tensor (and which
+expert, slice, transpose or narrow) it becomes, so the loader never holds more than one tensor beyond the model
+(tests/unit/test_nemo_*_release.py hold it to the adapters' ``from_hf`` bit for bit).
+
+The backend is the torch one (``BackendConfig(attn="sdpa", linear="torch", experts="torch", dispatcher="torch")``):
+the constructor's default needs GPU kernels, and the expert-parallel split of :mod:`ds_capture.parallel.
+grouped_experts` is exact for the ``torch`` experts loop. NeMo wraps its expert activations in
+``torch.compile(fullgraph=True)`` (seconds of gcc per shape on CPU); they run as the plain functions here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ds_capture.errors import CaptureError
+
+INSTALL_HINT = (
+    "Install the nemo extra: `pip install 'ds-capture[nemo]'` then `pip install --no-deps nemo_automodel==0.7.0` "
+    "(scripts/install_nemo_extra.sh does both; NeMo pins transformers 5.18, so pip cannot resolve it as a "
+    "plain requirement, and its model classes run with this project's transformers)."
+)
+
+
+def resolve(dotted: str) -> Any:
+    """``"package.module:attribute"`` -> the attribute (imports the module)."""
+    module, _, attribute = dotted.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def require_nemo(model_type: str, source: str) -> None:
+    """A ``CaptureError`` naming the fix when NeMo AutoModel 0.7.0 is not importable."""
+    try:
+        import nemo_automodel
+    except ImportError:
+        raise CaptureError(
+            f"{source}: model_type {model_type!r} is built by NeMo AutoModel 0.7.0's model class, which is not "
+            f"installed. {INSTALL_HINT}"
+        ) from None
+    version = getattr(nemo_automodel, "__version__", "unknown")
+    if not str(version).startswith("0.7.0"):
+        raise CaptureError(
+            f"{source}: model_type {model_type!r} needs nemo_automodel 0.7.0 (its model classes and state-dict "
+            f"adapters are this project's contract); {version} is installed. {INSTALL_HINT}"
+        )
+
+
+def read_nemo_config(family: Any, path: Path) -> Any:
+    """NeMo's config class read from ``path/config.json`` (nested text config included)."""
+    require_nemo(family.model_type, str(path / "config.json"))
+    config_class = resolve(family.nemo_config_class)
+    raw_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if raw_type != config_class.model_type:  # the text config alone (Kimi K3's `kimi_linear` form)
+        config_class = config_class.sub_configs["text_config"]
+    try:
+        config = config_class.from_pretrained(str(path))
+    except (ValueError, OSError, TypeError, KeyError) as error:
+        raise CaptureError(f"{path / 'config.json'}: NeMo's {config_class.__name__} cannot read this config "
+                           f"({type(error).__name__}: {error}).") from error
+    config._name_or_path = str(path)  # where DeepSeek-V4.1's Engram finds the release's tokenizer
+    return config
+
+
+def cpu_backend() -> Any:
+    """The torch backend every NeMo target is built with (CPU and GPU alike: one numerics, exact EP)."""
+    from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+                         rope="torch", rope_fusion=False, gate_precision="float32")
+
+
+def eager_expert_activations() -> None:
+    """Replace NeMo's ``torch.compile``d expert activations by the functions they wrap (same math, no compile).
+
+    They are looked up in ``nemo_automodel.components.moe.experts``'s globals when an experts module is built,
+    so this runs before every build."""
+    experts = importlib.import_module("nemo_automodel.components.moe.experts")
+    for name, value in list(vars(experts).items()):
+        original = getattr(value, "_torchdynamo_orig_callable", None)
+        if callable(value) and original is not None and getattr(original, "__module__", "") == experts.__name__:
+            setattr(experts, name, original)
+
+
+@contextmanager
+def _without_process_group() -> Iterator[None]:
+    """NeMo's constructors shard some tables over WORLD once a process group exists (DeepSeek-V4.1's Engram:
+    its forward then fails until a DTensor owner is set up). ds_capture places every tensor itself, so the
+    model is built as in one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    saved = dist.is_initialized
+    dist.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        dist.is_initialized = saved
+
+
+def build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
+    """NeMo's model class for ``target`` on ``meta`` in ``dtype`` (its fp32 islands kept, as NeMo casts)."""
+    from nemo_automodel.components.models.common.utils import cast_model_to_dtype
+
+    family = target.family
+    if family.needs_fla:
+        from ds_capture.target.nemo_fla import install_cpu_fla
+
+        install_cpu_fla()
+    eager_expert_activations()
+    config = read_nemo_config(family, target.path)
+    text = getattr(config, "text_config", config)
+    if target.checkpoint_num_hidden_layers is not None:
+        text.num_hidden_layers = target.num_hidden_layers
+    dtype_name = str(dtype).removeprefix("torch.")
+    for field in ("dtype", "torch_dtype"):  # V4.1 reads `dtype`, K3 `torch_dtype`
+        if hasattr(text, field):
+            setattr(text, field, dtype_name)
+    model_class = resolve(family.nemo_class)
+    with _without_process_group(), torch.device("meta"):
+        model = model_class(config, backend=cpu_backend())
+    cast_model_to_dtype(model, dtype)
+    return model.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """NeMo's ``GroupedExperts`` (or a subclass), recognised by class name so NeMo need not be imported."""
+    return any(cls.__name__ == "GroupedExperts" for cls in type(module).__mro__)
+
+
+def expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Stacked-experts parameter name -> ``(first expert, count)`` this rank holds (expert parallelism); absent:
+    all of them."""
+    rows = {}
+    for name, module in model.named_modules():
+        if is_grouped_experts(module) and getattr(module, "ep_size", 1) > 1:
+            for leaf, param in module.named_parameters(recurse=False):
+                if param.dim() and param.shape[0] == module.num_local_experts:
+                    rows[f"{name}.{leaf}"] = (module.expert_start, module.num_local_experts)
+    return rows
+
+
+@torch.no_grad()
+def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) -> Any:
+    """Materialise ``model`` on ``device`` and fill it from the release checkpoint (see the module docstring),
+    then recompute its non-persistent buffers."""
+    from ds_capture.target.loading import record_tensor_layout, restore_tensor_layout
+
+    layout = record_tensor_layout(model)
+    model.to_empty(device=device)
+    restore_tensor_layout(model, layout)
+    state = model.state_dict(keep_vars=True)
+    stats = fill_from_release(target, state, expert_rows(model))
+    init_nonpersistent_buffers(model, target.family)
+    return stats
+
+
+@torch.no_grad()
+def fill_from_release(target: Any, destinations: dict[str, torch.Tensor],
+                      rows: dict[str, tuple[int, int]]) -> Any:
+    """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor).
+
+    ``rows[name] = (start, count)``: the local tensor holds rows ``[start, start + count)`` of dim 0 of the
+    native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk); a release tensor whose expert or
+    rows fall outside is never read. Every local tensor must be covered exactly; the keys the family does not
+    read (vision tower, multi-token prediction, layers past the model's depth) are never opened."""
+    from safetensors import safe_open
+
+    from ds_capture.target import quant
+    from ds_capture.target.loading import LoadStats, _checkpoint_index, _few
+
+    family = target.family
+    config = read_nemo_config(family, target.path)
+    if target.checkpoint_num_hidden_layers is not None:  # a reduced-depth build reads the first layers only
+        getattr(config, "text_config", config).num_hidden_layers = target.num_hidden_layers
+    place: Callable = resolve(family.release_placement)
+    files = _checkpoint_index(target.path)
+    headers = quant.read_headers(files.values())
+    index, _parts = quant.logical_keys(files, headers)
+    reads, unexpected = [], []
+    for key in sorted(index):
+        placement = place(key, config)
+        if placement is None:
+            continue
+        if placement.native not in destinations:
+            unexpected.append(f"{key} -> {placement.native}")
+            continue
+        start, count = rows.get(placement.native, (0, None))
+        if placement.expert is not None and count is not None and not start <= placement.expert < start + count:
+            continue  # another rank's expert: never read
+        if count == 0:
+            continue  # an FSDP2 rank past the last chunk of a small dim
+        reads.append((key, placement))
+    quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), {k for k, _ in reads})
+    written: dict[str, int] = {}
+    stats = LoadStats()
+    for key, placement in reads:
+        if key in quantized:
+            qt = quantized[key]
+            tensor, num_bytes = quant.read_dequantized(qt, quant.region_of(qt, None, 0, 0))
+        else:
+            with safe_open(index[key], framework="pt") as handle:
+                tensor = handle.get_tensor(key).clone()
+            num_bytes = tensor.numel() * tensor.element_size()
+        stats.bytes_read += num_bytes
+        stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
+        tensor = placement.apply(tensor)
+        destination = destinations[placement.native]
+        start, count = rows.get(placement.native, (0, None))
+        if placement.expert is not None:
+            destination = destination[placement.expert - start]
+        elif count is not None:  # this rank's rows of a whole tensor
+            tensor = tensor[start:start + count]
+        destination = destination[placement.index] if placement.index else destination
+        if tuple(tensor.shape) != tuple(destination.shape):
+            raise CaptureError(
+                f"{index[key]}: tensor {key} has shape {tuple(tensor.shape)} where the {target.model_type} model "
+                f"built from config.json expects {tuple(destination.shape)} (in {placement.native}). The checkpoint "
+                "and its config.json disagree: re-download the release or fix config.json."
+            )
+        destination.copy_(tensor)
+        written[placement.native] = written.get(placement.native, 0) + tensor.numel()
+    stats.num_files = len({index[key] for key, _ in reads})
+    missing = sorted(name for name, tensor in destinations.items() if written.get(name, 0) != tensor.numel())
+    if missing or unexpected:
+        raise CaptureError(
+            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its "
+            f"config.json (missing or incomplete: {_few(missing)}; unexpected: {_few(unexpected)}). Point "
+            "recipe_args.target_model_name_or_path at the complete release."
+        )
+    return stats
+
+
+def _persistent_names(model: nn.Module) -> set[str]:
+    return set(model.state_dict().keys())
+
+
+def init_nonpersistent_buffers(model: nn.Module, family: Any) -> None:
+    """Recompute the buffers no checkpoint holds (``to_empty`` left them uninitialised) with their modules' own
+    ``init_weights`` (DeepSeek-V4.1's Engram hash tables); the family lists those modules."""
+    persistent = _persistent_names(model)
+    owners = {name.rpartition(".")[0] for name, _ in model.named_buffers() if name not in persistent}
+    unknown = sorted(owners - set(family.buffer_modules))
+    if unknown:
+        raise AssertionError(f"family {family.model_type!r}: modules {unknown} hold non-persistent buffers that "
+                             "no registry entry initialises (Family.buffer_modules)")
+    for name in family.buffer_modules:
+        module = _get_optional(model, name)
+        if module is not None:
+            module.init_weights()
+
+
+def _get_optional(model: nn.Module, dotted: str) -> nn.Module | None:
+    module: Any = model
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
