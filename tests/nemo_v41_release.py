@@ -100,7 +100,9 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
 
 def write_tiny_v41_release(out_dir: Path | str, *, seed: int, quantized: bool = True, engram: bool = True,
                            num_layers: int = 6) -> Path:
-    """Write the tiny release (module docstring) into ``out_dir``; returns ``out_dir``."""
+    """Write the tiny release (module docstring) into ``out_dir``; returns ``out_dir``. ``num_layers`` in [1, 6]
+    cuts the 6-layer schedule (compression, KV / index sources, Engram at 1 and 3) to its first layers."""
+    assert 1 <= num_layers <= 6, num_layers
     from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
     from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import DeepseekV41StateDictAdapter

@@ -33,6 +33,12 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_v41_release(tmp_path_factory.mktemp("v41") / "release", seed=0, num_layers=NUM_LAYERS)
 
 
+@pytest.fixture(scope="module")
+def unquantized_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_v41_release(tmp_path_factory.mktemp("v41") / "bf16", seed=1, quantized=False,
+                                  num_layers=NUM_LAYERS)
+
+
 def nemo_config(path: Path, dtype: torch.dtype):
     """NeMo's config of the release, as its DSpark target loads it (``name_or_path`` finds the tokenizer)."""
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
@@ -98,8 +104,10 @@ def read_native(path: Path, config, dtype: torch.dtype, experts: range = range(N
     return native, kept
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_reading_one_tensor_at_a_time_equals_nemo_from_hf_bitwise(release, dtype):
+@pytest.mark.parametrize("dtype, quantized", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+                         ids=["fp32", "bf16", "bf16-unquantized-release"])
+def test_reading_one_tensor_at_a_time_equals_nemo_from_hf_bitwise(request, dtype, quantized):
+    release = request.getfixturevalue("release" if quantized else "unquantized_release")
     config = nemo_config(release, dtype)
     theirs = nemo_from_hf(release, config, nemo_model(config, "meta"))
     ours, _read = read_native(release, config, dtype)
@@ -173,6 +181,9 @@ def test_release_info_reads_the_nested_text_config(release):
     info = v41_release_info(json.loads((release / "config.json").read_text()))
     assert (info.num_hidden_layers, info.num_routed_experts, info.moe_intermediate_size, info.hidden_size,
             info.engram_layer_ids, info.dtype, info.vision) == (6, 4, 32, 32, (1, 3), "bfloat16", False)
+    config = nemo_config(release, torch.bfloat16)
+    _files, logical, _headers = release_index(release)
+    assert all(v41_placement(key, info) == v41_placement(key, config) for key in logical)
     with pytest.raises(CaptureError, match=r"^config.json: text_config.n_routed_experts is missing"):
         v41_release_info({"text_config": {"num_hidden_layers": 2, "moe_intermediate_size": 8, "hidden_size": 8}})
 
