@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's release checkpoint, one tensor at a time: where each release tensor goes in NeMo's model.
 
 In:  a logical release key (``layers.3.attn.wq_a.weight``; a quantized weight and its ``.scale`` are one logical
-     key, :func:`.quant.logical_keys`) and NeMo AutoModel 0.7.0's ``DeepseekV41Config`` (or ``config.json``).
+     key, :func:`.quant.logical_keys`) and the NeMo AutoModel 0.7.0 ``DeepseekV41Config`` the model is built from.
 Out: :func:`v41_placement` -> the :class:`~.nemo_release.Placement` of that tensor in
      ``DeepseekV41ForCausalLM``'s state dict, None for a tensor the model has no place for (``mtp.*``, layers >=
      ``num_hidden_layers``, the vision tower of a text-only build), a ``CaptureError`` for a key that is not
@@ -53,7 +53,7 @@ _HYPER = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 
 @dataclass(frozen=True)
 class V41ReleaseInfo:
-    """The sizes of a DeepSeek-V4.1 release a loader needs, from ``config.json``'s ``text_config``."""
+    """The sizes of a DeepSeek-V4.1 release a loader needs before any model exists (``config.json``)."""
 
     num_hidden_layers: int
     num_routed_experts: int
@@ -61,15 +61,11 @@ class V41ReleaseInfo:
     moe_intermediate_size: int
     """I: ``gate_and_up_projs`` is ``[E, D, 2 I]``, ``down_projs`` ``[E, I, D]``."""
     hidden_size: int
-    engram_layer_ids: tuple[int, ...]
-    dtype: str
-    """``text_config.dtype``: the dtype NeMo's adapter dequantizes into and stacks the experts in."""
-    vision: bool
-    """The vision tower is built (``vision_config.num_hidden_layers > 0``); a text-only build never reads it."""
+    """D."""
 
 
 def v41_release_info(config: dict[str, Any]) -> V41ReleaseInfo:
-    """In: ``config.json`` of a DeepSeek-V4.1 release (nested ``text_config`` / ``vision_config``).
+    """In: ``config.json`` of a DeepSeek-V4.1 release (the text model nested under ``text_config``).
     Out: its :class:`V41ReleaseInfo`; a missing field is a ``CaptureError`` naming it."""
     text = config.get("text_config")
     if not isinstance(text, dict):
@@ -80,76 +76,58 @@ def v41_release_info(config: dict[str, Any]) -> V41ReleaseInfo:
     if missing:
         raise CaptureError(f"config.json: text_config.{missing[0]} is missing or not an integer (DeepSeek-V4.1 "
                            f"needs {', '.join(fields)}). Use the release's own config.json.")
-    vision = config.get("vision_config") or {}
-    return V41ReleaseInfo(
-        num_hidden_layers=text["num_hidden_layers"], num_routed_experts=text["n_routed_experts"],
-        moe_intermediate_size=text["moe_intermediate_size"], hidden_size=text["hidden_size"],
-        engram_layer_ids=tuple(text.get("engram_layer_ids") or ()), dtype=str(text.get("dtype") or "bfloat16"),
-        # NeMo's DeepseekV41VisionConfig builds 32 layers when vision_config leaves the count out.
-        vision=int(vision.get("num_hidden_layers", 32)) > 0,
-    )
+    return V41ReleaseInfo(*(text[name] for name in fields))
 
 
 def v41_placement(release_key: str, config: Any) -> Placement | None:
     """Where the logical release tensor ``release_key`` goes in NeMo's ``DeepseekV41ForCausalLM``.
 
-    In:  ``config`` NeMo's ``DeepseekV41Config`` (``text_config.num_hidden_layers`` / ``n_routed_experts`` /
-         ``moe_intermediate_size``, ``vision_config.num_hidden_layers``) or a :class:`V41ReleaseInfo`.
+    In:  ``config`` the NeMo ``DeepseekV41Config`` the model is built from (read: ``text_config.num_hidden_layers``
+         / ``n_routed_experts`` / ``moe_intermediate_size``, ``vision_config.num_hidden_layers``).
     Out: the :class:`Placement`; None for ``mtp.*`` (the DSpark draft), layers >= ``num_hidden_layers`` and, in a
-         text-only build, ``vision.*`` / ``aligner.*`` / ``image_*`` (never read); a ``CaptureError`` naming the
-         key for anything else.
+         text-only build (NeMo's DSpark target sets ``vision_config.num_hidden_layers = 0``), ``vision.*`` /
+         ``aligner.*`` / ``image_*``: never read; a ``CaptureError`` naming the key for anything else.
     """
-    info = config if isinstance(config, V41ReleaseInfo) else _info_of(config)
+    text = config.text_config
     if release_key in _TOP:
         return Placement(_TOP[release_key])
     if release_key.startswith("mtp."):
         return None
     if _VISION.fullmatch(release_key):
-        return Placement(f"model.{release_key}") if info.vision else None
+        return Placement(f"model.{release_key}") if config.vision_config.num_hidden_layers > 0 else None
     layer = re.fullmatch(r"layers\.(\d+)\.(.+)", release_key)
     if layer is None:
-        raise _unknown(release_key, info)
+        raise _unknown(release_key, text.num_hidden_layers)
     i, rest = int(layer[1]), layer[2]
-    if i >= info.num_hidden_layers:
+    if i >= text.num_hidden_layers:
         return None
     expert = _EXPERT.fullmatch(rest)
     if expert:
-        return _expert_placement(release_key, i, int(expert[1]), expert[2], info)
+        return _expert_placement(release_key, i, int(expert[1]), expert[2], text)
     if not _LAYER_TENSOR.fullmatch(rest):
-        raise _unknown(release_key, info)
+        raise _unknown(release_key, text.num_hidden_layers)
     hyper = _HYPER.fullmatch(rest)
     native = f"{hyper[1]}_hc.{hyper[2]}" if hyper else _RENAMES.get(rest, rest)
     return Placement(f"model.layers.{i}.{native}")
 
 
-def _expert_placement(release_key: str, layer: int, expert: int, which: str, info: V41ReleaseInfo) -> Placement:
-    if expert >= info.num_routed_experts:
+def _expert_placement(release_key: str, layer: int, expert: int, which: str, text: Any) -> Placement:
+    if expert >= text.n_routed_experts:
         raise CaptureError(
             f"{release_key}: expert {expert}, but config.json's text_config.n_routed_experts is "
-            f"{info.num_routed_experts}. The checkpoint and its config.json disagree: use the release's own config.json."
+            f"{text.n_routed_experts}. The checkpoint and its config.json disagree: use the release's own config.json."
         )
-    experts, size = f"model.layers.{layer}.ffn.experts", info.moe_intermediate_size
+    experts, size = f"model.layers.{layer}.ffn.experts", text.moe_intermediate_size
     if which == "w2":
         return Placement(f"{experts}.down_projs", expert=expert, transpose=True)
     columns = slice(0, size) if which == "w1" else slice(size, 2 * size)
     return Placement(f"{experts}.gate_and_up_projs", expert=expert, index=(slice(None), columns), transpose=True)
 
 
-def _info_of(config: Any) -> V41ReleaseInfo:
-    """The :class:`V41ReleaseInfo` of NeMo's ``DeepseekV41Config`` (attributes, no NeMo import)."""
-    text = config.text_config
-    return V41ReleaseInfo(
-        num_hidden_layers=text.num_hidden_layers, num_routed_experts=text.n_routed_experts,
-        moe_intermediate_size=text.moe_intermediate_size, hidden_size=text.hidden_size,
-        engram_layer_ids=tuple(text.engram_layer_ids), dtype=str(text.dtype).removeprefix("torch."),
-        vision=config.vision_config.num_hidden_layers > 0,
-    )
-
-
-def _unknown(release_key: str, info: V41ReleaseInfo) -> CaptureError:
+def _unknown(release_key: str, num_hidden_layers: int) -> CaptureError:
     return CaptureError(
         f"{release_key}: not a tensor of DeepSeek-V4.1's release (neither a tensor of NeMo AutoModel 0.7.0's "
         f"DeepseekV41ForCausalLM nor mtp.*, vision.* / aligner.* / image_*, or a layer >= num_hidden_layers "
-        f"{info.num_hidden_layers}). The checkpoint is not DeepSeek-V4.1's release layout: check config.json's "
+        f"{num_hidden_layers}). The checkpoint is not DeepSeek-V4.1's release layout: check config.json's "
         "model_type and the checkpoint's model.safetensors.index.json."
     )

@@ -179,13 +179,13 @@ def test_placements_rename_as_nemo_does_and_refuse_what_is_not_v41(release):
 
 def test_release_info_reads_the_nested_text_config(release):
     info = v41_release_info(json.loads((release / "config.json").read_text()))
-    assert (info.num_hidden_layers, info.num_routed_experts, info.moe_intermediate_size, info.hidden_size,
-            info.engram_layer_ids, info.dtype, info.vision) == (6, 4, 32, 32, (1, 3), "bfloat16", False)
-    config = nemo_config(release, torch.bfloat16)
-    _files, logical, _headers = release_index(release)
-    assert all(v41_placement(key, info) == v41_placement(key, config) for key in logical)
-    with pytest.raises(CaptureError, match=r"^config.json: text_config.n_routed_experts is missing"):
+    assert (info.num_hidden_layers, info.num_routed_experts, info.moe_intermediate_size, info.hidden_size) == (
+        6, 4, 32, 32)
+    with pytest.raises(CaptureError) as caught:
         v41_release_info({"text_config": {"num_hidden_layers": 2, "moe_intermediate_size": 8, "hidden_size": 8}})
+    assert str(caught.value) == (
+        "config.json: text_config.n_routed_experts is missing or not an integer (DeepSeek-V4.1 needs "
+        "num_hidden_layers, n_routed_experts, moe_intermediate_size, hidden_size). Use the release's own config.json.")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
