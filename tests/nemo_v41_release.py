@@ -7,8 +7,9 @@
 
 - the model: NeMo AutoModel 0.7.0's ``DeepseekV41ForCausalLM`` on CPU, bf16 (the release dtype), every floating
   tensor random (std 0.1): hidden 32, 4 routed experts of intermediate 32 (2 per token), mHC with 4 streams,
-  CSA2 compressed / indexed layers (compress ratios ``[0, 0, 2, 2, 1, 1]``), Engram at layers 1 and 3, no vision
-  tower;
+  CSA2 compressed / indexed layers (compress ratios ``[0, 0, 2, 2, 1, 1]``), Engram at layers 1 and 3 (tables
+  [256, 32]), no vision tower; q / o LoRA ranks 48 / 40, so ``wq_a`` [48, 32], ``wq_b`` [32, 48], ``wo_a`` / ``wo_b``
+  end in partial 32 x 32 blocks;
 - ``config.json``: NeMo's ``DeepseekV41Config`` as saved (``model_type`` ``deepseek_v41``, nested
   ``text_config`` / ``vision_config``) plus the release's ``quantization_config`` (:data:`QUANTIZATION_CONFIG`);
 - the tensors under the release names (NeMo's ``to_hf``), in two shard files and
@@ -85,7 +86,7 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
     engram_layer_ids = [i for i in (1, 3) if i < num_layers] if engram else []
     text = DeepseekV41TextConfig(
         vocab_size=NUM_WORDS, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=num_layers,
-        num_attention_heads=2, head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=16, o_groups=1,
+        num_attention_heads=2, head_dim=16, qk_rope_head_dim=8, q_lora_rank=48, o_lora_rank=40, o_groups=1,
         n_routed_experts=4, num_experts_per_tok=2, compress_ratios=[0, 0, 2, 2, 1, 1][:num_layers],
         kv_source_layer_ids=[i for i in (2, 4) if i < num_layers],
         index_source_layer_ids=[i for i in (2, 4, 5) if i < num_layers], index_n_heads=2, index_head_dim=16,
