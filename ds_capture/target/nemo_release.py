@@ -1,32 +1,82 @@
-"""Where one release tensor goes in a NeMo-built model: the per-tensor form of NeMo's ``from_hf`` adapters.
+"""Where one release tensor goes in a NeMo-built model, and reading one release tensor: shared by NeMo's families.
 
-In:  nothing (data). Out: :class:`Placement`, what a family's ``release_placement(key, config)`` returns for one
-(logical) release key, and :meth:`Placement.apply`, the tensor's own transform before it is copied in place.
+In:  a release checkpoint's logical key (``X.weight`` stands for its stored values and scale: :mod:`.quant`), the
+     family's mapping (``nemo_v41.v41_placement``) and, to read, the checkpoint's key -> file index.
+Out: :class:`Placement` -> the native (NeMo state-dict) name, the expert slot and the region the tensor fills;
+     :func:`transform` / :func:`place` -> the release tensor narrowed / transposed and copied into its region;
+     :func:`read_release_tensor` -> one release tensor read whole (dequantized in fp32, then cast to the model
+     dtype, as NeMo's adapters do; an unquantized tensor as stored).
+
+NeMo's state-dict adapters convert a whole release state dict at once (``from_hf``); a sliced loader converts
+one tensor at a time with these pieces and never holds the whole dict.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from ds_capture.target import quant
+from ds_capture.target.quant import QuantTensor
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One release tensor's destination: ``native[expert][index] = apply(tensor)``."""
+    """Where one release tensor goes in the NeMo model's state dict."""
 
     native: str
     """The NeMo model's state-dict name."""
     expert: int | None = None
-    """Global expert id when the release tensor is one expert's piece of a stacked ``[E, ...]`` tensor."""
-    index: tuple = ()
-    """Slices inside ``native[expert]`` (or ``native``) the tensor fills; ``()``: all of it."""
+    """The global expert index j when the release tensor is one expert's piece of a stacked ``[E, ...]`` tensor
+    (it fills ``native[j - first local expert]``); None for every other tensor."""
+    index: tuple[slice, ...] = ()
+    """Where the transformed tensor goes inside ``native[expert]`` (or ``native``): ``()`` is all of it."""
     transpose: bool = False
-    """Transpose the last two dims first (NeMo's stacked experts hold ``W^T``)."""
+    """The release tensor is transposed (a 2-D ``[out, in]`` -> ``[in, out]``) before it is placed."""
     narrow: tuple[int, int, int] | None = None
-    """``(dim, start, length)`` kept of the release tensor first (Kimi K3's zero-padded ``A_log``)."""
+    """``(dim, start, length)`` of the release tensor kept before the transpose (Kimi K3's zero-padded ``A_log``);
+    None keeps all of it."""
 
-    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.narrow is not None:
-            tensor = tensor.narrow(*self.narrow)
-        return tensor.transpose(-2, -1) if self.transpose else tensor
+
+def transform(placement: Placement, tensor: torch.Tensor) -> torch.Tensor:
+    """In: one release tensor. Out: what ``placement``'s region receives (narrowed, then transposed; a view)."""
+    if placement.narrow is not None:
+        tensor = tensor.narrow(*placement.narrow)
+    return tensor.transpose(0, 1) if placement.transpose else tensor
+
+
+def place(destination: torch.Tensor, placement: Placement, tensor: torch.Tensor, *, first_expert: int = 0) -> None:
+    """Copy one release tensor into ``destination`` (the tensor named ``placement.native``), casting to its dtype.
+
+    ``first_expert`` is the global index of ``destination``'s first expert (an expert-parallel rank holds
+    ``[first_expert, first_expert + E_local)``). A shape mismatch is an ``AssertionError``: the mapping is wrong,
+    not the user's checkpoint (the loader checks shapes against the headers before reading).
+    """
+    if placement.expert is not None:
+        destination = destination[placement.expert - first_expert]
+    region = destination[placement.index]
+    value = transform(placement, tensor)
+    assert region.shape == value.shape, (placement, tuple(region.shape), tuple(value.shape))
+    region.copy_(value)
+
+
+def read_release_tensor(key: str, index: dict[str, Path], quantized: dict[str, QuantTensor],
+                        dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """One logical release tensor read whole, and the bytes read.
+
+    In:  ``key`` a logical key (:func:`.quant.logical_keys`), ``index`` logical key -> file, ``quantized`` the
+         :func:`.quant.plan_quantized` entries, ``dtype`` the model dtype.
+    Out: a quantized weight dequantized in fp32 and cast to ``dtype`` (NeMo's ``dequantize_checkpoint_weight``
+         computes the same fp32 products and stores them in the adapter's dtype); any other tensor as stored.
+    """
+    if key in quantized:
+        qt = quantized[key]
+        tensor, num_bytes = quant.read_dequantized(qt, quant.region_of(qt, None, 0, 0))
+        return tensor.to(dtype), num_bytes
+    from safetensors import safe_open
+
+    with safe_open(index[key], framework="pt") as handle:
+        tensor = handle.get_tensor(key)
+    return tensor, tensor.numel() * tensor.element_size()

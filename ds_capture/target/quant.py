@@ -19,6 +19,7 @@ Schemes (``../shared/CHECKPOINT_FORMATS.md``), all ``W = value * scale[r // bloc
   ==============  ==================================  =======================================  ===========
   ``fp8_block``   ``X.weight`` F8_E4M3 [out, in]      ``X.weight_scale_inv`` / ``X.scale``     ``weight_block_size``
                                                       (fp32 / bf16 / e8m0) [ceil(out/b), ceil(in/b)]
+                                                      or row-wise [out, ceil(in/b)]            (1 x b row-wise)
   ``fp8_channel`` ``X.weight`` F8_E4M3                ``X.weight_scale`` [out, 1] or [1]       1 x in / out x in
   ``fp4``         ``X.weight`` I8 [out, in/2]         ``X.scale`` F8_E8M0 [out, in/32]         1 x 32
                   (e2m1, low nibble = even column)
@@ -273,9 +274,19 @@ def _classify(key: str, dtype: str, shape: tuple[int, ...], scale_key: str, scal
         qt = QuantTensor("fp8_channel", key, scale_key, (out, stored_cols), (out if per_tensor else 1, stored_cols), 1,
                          *files)
     else:
-        qt = QuantTensor("fp8_block", key, scale_key, (out, stored_cols), config.block, 1, *files)
+        qt = QuantTensor("fp8_block", key, scale_key, (out, stored_cols), _fp8_block(config.block, shape, scale_shape),
+                         1, *files)
     _check_scale(qt, scale_shape)
     return qt
+
+
+def _fp8_block(block: tuple[int, int], shape: tuple[int, int], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """``weight_block_size``, or ``1 x block_c`` where the scale has one row per weight row and the configured
+    column blocks (DeepSeek-V4.1's Engram tables: ``[rows, cols / 32]`` scales beside ``weight_block_size
+    [32, 32]``). Never ``shape // scale_shape``: that misplaces the scales of ragged dims."""
+    out, cols = shape
+    grid, rowwise = (-(-out // block[0]), -(-cols // block[1])), (out, -(-cols // block[1]))
+    return (1, block[1]) if tuple(scale_shape) == rowwise != grid else block
 
 
 def scale_grid(qt: QuantTensor) -> tuple[int, int]:

@@ -289,6 +289,31 @@ def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path,
             assert torch.equal(piece, ref.narrow(dim, rank * size, size)), (dim, rank)
 
 
+def test_a_row_wise_fp8_scale_beside_a_square_weight_block_size_reads_one_scale_row_per_weight_row(tmp_path):
+    """DeepSeek-V4.1's Engram tables: FP8 [rows, cols] with e8m0 scales [rows, cols / 32] although config.json
+    says weight_block_size [32, 32]. The block comes from the scale's shape (1 x 32), every row slice equals the
+    reference, and a scale matching neither grid is still refused."""
+    from ds_capture.target import quant
+
+    torch.manual_seed(0)
+    w = torch.randn(70, 64)
+    scale = torch.pow(2.0, torch.ceil(torch.log2(w.reshape(70, 2, 32).abs().amax(-1) / 448.0)))
+    stored = (w / scale.repeat_interleave(32, 1)).to(torch.float8_e4m3fn)
+    reference = stored.float() * scale.repeat_interleave(32, 1)
+    save_file({"t.weight": stored, "t.scale": scale.to(torch.float8_e8m0fnu)}, tmp_path / "a.safetensors")
+    index = {"t.weight": tmp_path / "a.safetensors", "t.scale": tmp_path / "a.safetensors"}
+    headers = quant.read_headers(set(index.values()))
+    (qt,) = quant.plan_quantized(index, headers, quant.QuantConfig(block=(32, 32)), ["t.weight"]).values()
+    assert (qt.scheme, qt.block) == ("fp8_block", (1, 32))
+    assert torch.equal(quant.read_dequantized(qt, quant.region_of(qt, None, 0, 0))[0], reference)
+    piece, num_bytes = quant.read_dequantized(qt, quant.region_of(qt, 0, 33, 20))
+    assert torch.equal(piece, reference[33:53]) and num_bytes == 20 * 64 + 20 * 2
+    save_file({"t.weight": stored, "t.scale": scale[:35].to(torch.float8_e8m0fnu)}, tmp_path / "a.safetensors")
+    with pytest.raises(CaptureError, match=r"scale shape \[35, 2\] does not match weight_block_size \[32, 32\]"):
+        quant.plan_quantized(index, quant.read_headers(set(index.values())), quant.QuantConfig(block=(32, 32)),
+                             ["t.weight"])
+
+
 def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what_cannot_be_read():
     from ds_capture.target.quant import QuantConfig, read_quant_config
 
