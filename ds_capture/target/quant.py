@@ -25,7 +25,14 @@ Schemes (``../shared/CHECKPOINT_FORMATS.md``), all ``W = value * scale[r // bloc
                   (e2m1, low nibble = even column)
   ``int4``        ``X.weight_packed`` I32 [out, in/8] ``X.weight_scale`` [out, in/group]       1 x group
                   (+ ``X.weight_shape``; q = nibble - 8, least significant nibble first)
+  ``mxfp4``       ``X.weight_packed`` U8 [out, in/2]  ``X.weight_scale`` U8 [out, in/32]       1 x 32
+                  (e2m1 as ``fp4``)                   (e8m0 bytes: ``2^(byte - 127)``)
   ==============  ==================================  =======================================  ===========
+
+``mxfp4`` is compressed-tensors' ``mxfp4-pack-quantized`` (Kimi K3's routed experts): the ``fp4`` values and
+scales under compressed-tensors' key names, the scale an e8m0 exponent stored as a plain byte. It is decoded by
+reinterpreting the byte as ``float8_e8m0fnu``, which equals NeMo's ``dequantize_mxfp4``
+(``ldexp(e2m1, byte - 127)``) for every byte but 255 (NaN here, 2^128 there; no real scale is 255).
 
 The loader (:mod:`.loading`) has no scheme branches: it asks :func:`read_dequantized` for a slice.
 """
@@ -45,14 +52,18 @@ from ds_capture.errors import CaptureError
 
 SUPPORTED = (
     "fp8 (block FP8 with weight_scale_inv / DeepSeek-V4 .scale, FP4 e2m1 experts with e8m0 scales) and "
-    "compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8)"
+    "compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8, mxfp4-pack-quantized MXFP4)"
 )
 _SUPPORTED_METHODS = ("fp8", "compressed-tensors")
-_SUPPORTED_CT_FORMATS = ("pack-quantized", "float-quantized", "dense")
+_SUPPORTED_CT_FORMATS = ("pack-quantized", "float-quantized", "mxfp4-pack-quantized", "dense")
 """Per group; a top-level ``mixed-precision`` defers to the groups' own formats."""
 
 _FP8 = ("F8_E4M3",)
 _PACKED_FP4 = ("I8", "U8")
+_PACKED = {"I32": "int4", "U8": "mxfp4"}
+"""compressed-tensors' ``X.weight_packed`` dtype -> its scheme."""
+_MX_GROUP = 32
+"""The OCP MX block: one e8m0 scale per 32 values, fixed by the format."""
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4,
           "I32": 4, "I64": 8, "F64": 8, "I16": 2, "BOOL": 1}
@@ -72,7 +83,7 @@ class QuantTensor:
     """One quantized weight: where its parts are and how one scale entry maps onto it."""
 
     scheme: str
-    """``fp8_block`` | ``fp8_channel`` | ``fp4`` | ``int4``."""
+    """``fp8_block`` | ``fp8_channel`` | ``fp4`` | ``int4`` | ``mxfp4``."""
     key: str
     """The checkpoint key of the stored values (``X.weight`` / ``X.weight_packed``)."""
     scale_key: str
@@ -147,6 +158,13 @@ def _compressed_tensors_config(quantization: dict, where: str) -> QuantConfig:
                     f"{weights.get('type')} symmetric={weights.get('symmetric')} is not supported. Supported: {SUPPORTED}."
                 )
             group_size = int(weights.get("group_size") or 32)
+        if fmt == "mxfp4-pack-quantized" and (weights.get("num_bits", 4), weights.get("type", "float"),
+                                              weights.get("group_size", _MX_GROUP)) != (4, "float", _MX_GROUP):
+            raise CaptureError(
+                f"{where}.config_groups.{name}: mxfp4-pack-quantized with {weights.get('num_bits')}-bit "
+                f"{weights.get('type')} weights in groups of {weights.get('group_size')} is not MXFP4 (4-bit float, "
+                f"groups of {_MX_GROUP}). Supported: {SUPPORTED}."
+            )
         if weights.get("block_structure"):  # float-quantized with strategy block
             block = tuple(int(b) for b in weights["block_structure"])
     return QuantConfig(method="compressed-tensors", block=block, group_size=group_size)
@@ -184,7 +202,7 @@ def logical_keys(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int
     parts: set[str] = set()
     for key, path in index.items():
         dtype = headers[key][0]
-        if key.endswith(".weight_packed") and dtype == "I32":
+        if key.endswith(".weight_packed") and dtype in _PACKED:
             base = key[: -len(".weight_packed")]
             logical[f"{base}.weight"] = path
             parts.update(k for k in (key, f"{base}.weight_scale", f"{base}.weight_shape") if k in index)
@@ -202,7 +220,7 @@ def logical_keys(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int
 
 def has_scale(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int, ...]]], key: str) -> bool:
     """``key`` is a quantized weight that has its scale sibling (1-byte ``X.weight`` or packed ``X.weight_packed``)."""
-    if key.endswith(".weight_packed") and headers[key][0] == "I32":
+    if key.endswith(".weight_packed") and headers[key][0] in _PACKED:
         return f"{key[: -len('.weight_packed')]}.weight_scale" in index
     return key.endswith(".weight") and _scale_key(index, key) is not None
 
@@ -223,6 +241,9 @@ def plan_quantized(index: dict[str, Path], headers: dict[str, tuple[str, tuple[i
     tensors: dict[str, QuantTensor] = {}
     for logical in sorted(keys):
         packed = logical[: -len(".weight")] + ".weight_packed" if logical.endswith(".weight") else None
+        if packed in index and headers[packed][0] == "U8":
+            tensors[logical] = _plan_mxfp4(index, headers, packed)
+            continue
         if packed in index and headers[packed][0] == "I32":
             base = logical[: -len(".weight")]
             scale_key, shape_key = f"{base}.weight_scale", f"{base}.weight_shape"
@@ -253,6 +274,20 @@ def plan_quantized(index: dict[str, Path], headers: dict[str, tuple[str, tuple[i
             )
         tensors[logical] = _classify(logical, dtype, shape, scale_key, headers[scale_key], config, index)
     return tensors
+
+
+def _plan_mxfp4(index: dict[str, Path], headers: dict[str, tuple[str, tuple[int, ...]]], packed: str) -> QuantTensor:
+    """compressed-tensors ``mxfp4-pack-quantized``: two e2m1 codes per byte, one e8m0 byte per 32 columns."""
+    scale_key = packed[: -len("_packed")] + "_scale"
+    _require(index, packed, scale_key, "compressed-tensors mxfp4-pack-quantized")
+    if headers[scale_key][0] != "U8":
+        raise CaptureError(f"{scale_key} ({index[scale_key].name}): the scale of the MXFP4 weight {packed} is "
+                           f"{headers[scale_key][0]}; mxfp4-pack-quantized stores its e8m0 scales as U8 bytes.")
+    out, stored_cols = headers[packed][1]
+    qt = QuantTensor("mxfp4", packed, scale_key, (out, 2 * stored_cols), (1, _MX_GROUP), 2, index[packed],
+                     index[scale_key])
+    _check_scale(qt, headers[scale_key][1])
+    return qt
 
 
 def _classify(key: str, dtype: str, shape: tuple[int, ...], scale_key: str, scale_header: tuple[str, tuple[int, ...]],
@@ -298,7 +333,7 @@ def _check_scale(qt: QuantTensor, scale_shape: tuple[int, ...]) -> None:
     grid = scale_grid(qt)
     if tuple(scale_shape) != grid and not (qt.scheme == "fp8_channel" and math.prod(scale_shape) == math.prod(grid)):
         what = {"fp8_block": "weight_block_size", "fp4": "the FP4 1x32 group", "int4": "the INT4 group size",
-                "fp8_channel": "a per-channel scale"}[qt.scheme]
+                "fp8_channel": "a per-channel scale", "mxfp4": "the MXFP4 1x32 group"}[qt.scheme]
         raise CaptureError(
             f"{qt.scale_key} ({qt.scale_file.name}): scale shape {list(scale_shape)} does not match "
             f"{what} {list(qt.block)} for the {list(qt.shape)} weight {qt.key} (expected {list(grid)}). Check "
@@ -395,6 +430,8 @@ def dequantize(qt: QuantTensor, stored: torch.Tensor, scale: torch.Tensor, origi
     values = values[:, : qt.shape[1] - origin[1]]
     rows = (torch.arange(values.shape[0], device=values.device) + origin[0]) // qt.block[0] - scale_origin[0]
     cols = (torch.arange(values.shape[1], device=values.device) + origin[1]) // qt.block[1] - scale_origin[1]
+    if qt.scheme == "mxfp4":  # e8m0 exponents stored as plain bytes
+        scale = scale.view(torch.float8_e8m0fnu)
     return values * scale.to(torch.float32)[rows][:, cols]
 
 
@@ -402,7 +439,7 @@ def decode(scheme: str, stored: torch.Tensor) -> torch.Tensor:
     """The fp32 values of stored elements (FP4 / INT4 unpacked along the last dim, least significant first)."""
     if scheme in ("fp8_block", "fp8_channel"):
         return stored.to(torch.float32)
-    if scheme == "fp4":
+    if scheme in ("fp4", "mxfp4"):
         nibbles = stored.view(torch.uint8)
         codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).flatten(-2).long()
         return torch.tensor(_E2M1, dtype=torch.float32, device=stored.device)[codes]

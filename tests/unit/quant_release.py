@@ -17,7 +17,8 @@
 Schemes (``../shared/CHECKPOINT_FORMATS.md``): ``fp8`` block FP8 [128, 128] with ``weight_scale_inv``
 (fp32 scales; Qwen3: bf16), DeepSeek-V4 ``fp8_fp4`` (``.scale`` e8m0 scales, routed experts FP4 e2m1 +
 e8m0 1x32), Kimi ``int4`` (compressed-tensors pack-quantized group 32, routed experts only), ``fp8_channel``
-(compressed-tensors float-quantized, per-row ``weight_scale``).
+(compressed-tensors float-quantized, per-row ``weight_scale``); :func:`quantize_mxfp4` (Kimi K3's
+``mxfp4-pack-quantized`` experts) for one weight at a time.
 """
 
 from __future__ import annotations
@@ -100,6 +101,23 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
 
 
+def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``mxfp4-pack-quantized`` (Kimi K3's experts): :func:`quantize_fp4`'s codes and scales as
+    ``weight_packed`` / ``weight_scale`` U8 (the scale an e8m0 byte, ``2^(byte - 127)``)."""
+    packed, scale = quantize_fp4(w)
+    return {"weight_packed": packed.view(torch.uint8), "weight_scale": scale.view(torch.uint8)}
+
+
+def reference_mxfp4(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """compressed-tensors' own ``MXFP4PackedCompressor.decompress``, in fp32."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8))
+    return MXFP4PackedCompressor.decompress(dict(parts), scheme)["weight"].to(torch.float32)
+
+
 def _ct_scheme():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -174,6 +192,9 @@ def quantize(kind: str, w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[dict
     if kind == "int4":
         parts = quantize_int4(w)
         return parts, reference_int4(parts)
+    if kind == "mxfp4":
+        parts = quantize_mxfp4(w)
+        return parts, reference_mxfp4(parts)
     if kind == "fp8_channel":
         q, scale = quantize_fp8_channel(w)
         return {"weight": q, "weight_scale": scale}, reference_fp8_channel(q, scale)

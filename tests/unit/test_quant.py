@@ -262,7 +262,7 @@ def test_an_int4_weight_without_its_shape_is_named(pairs, tmp_path):
         "the checkpoint is incomplete (check model.safetensors.index.json).")
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "fp4", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "fp4", "int4", "mxfp4"])
 def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path, scheme):
     """DeepSeek's kv_a_proj_with_mqa shape [576, 7168] scaled down to [576, 320] (FP8: a [5, 3] grid, both last
     blocks partial), cut in 4 on each dim as TP / FSDP2 ranks do (144 rows: rank 3 starts in block 3): each
@@ -271,8 +271,8 @@ def test_every_slice_of_a_large_ragged_weight_equals_the_reference_cut(tmp_path,
 
     torch.manual_seed(0)
     w = torch.randn(576, 320)
-    parts, ref = qr.quantize({"fp8": "fp8", "fp4": "fp4", "int4": "int4"}[scheme], w, torch.float32)
-    suffix = {"fp8": "weight_scale_inv", "fp4": "scale", "int4": "weight_scale"}
+    parts, ref = qr.quantize(scheme, w, torch.float32)
+    suffix = {"fp8": "weight_scale_inv", "fp4": "scale", "int4": "weight_scale", "mxfp4": "weight_scale"}
     tensors = {f"x.{suffix[scheme] if name in ('scale', 'weight_scale') else name}": t for name, t in parts.items()}
     weights = {k: v for k, v in tensors.items() if "scale" not in k}
     save_file(weights, tmp_path / "a.safetensors")
@@ -330,12 +330,19 @@ def test_quantization_config_sections_give_block_and_group_sizes_and_refuse_what
     ct_block = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 64]}}}}
     assert read_quant_config({"quantization_config": ct_block}, "c.json").block == (128, 64)
+    k3 = json.loads((Path(__file__).parents[1] / "fixtures/release_configs/kimi_k3/config.json").read_text())
+    assert read_quant_config(k3, "c.json").method == "compressed-tensors"
+    mxfp4 = k3["text_config"]["quantization_config"]
     cases = [
         ({**kimi, "config_groups": {"group_0": {"weights": {**int4, "num_bits": 8}}}},
          "c.json: quantization_config.config_groups.group_0: pack-quantized 8-bit int symmetric=True is not supported."),
         ({**kimi, "format": "nvfp4-pack-quantized"},
          "c.json: quantization_config.config_groups.group_0: compressed-tensors format 'nvfp4-pack-quantized' is not "
          "supported."),
+        ({**mxfp4, "config_groups": {"group_0": {**mxfp4["config_groups"]["group_0"], "weights": {
+            **mxfp4["config_groups"]["group_0"]["weights"], "group_size": 16}}}},
+         "c.json: quantization_config.config_groups.group_0: mxfp4-pack-quantized with 4-bit float weights in groups "
+         "of 16 is not MXFP4 (4-bit float, groups of 32)."),
         ({"quant_method": "fp8", "weight_block_size": [128]},
          "c.json: quantization_config.weight_block_size [128] is not two positive integers (e.g. [128, 128])."),
     ]
