@@ -75,7 +75,7 @@ def word_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
 
 
-def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int):
+def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int, vocab_size: int = NUM_WORDS):
     """NeMo's ``DeepseekV41Config`` of the tiny release (text only, bf16)."""
     from nemo_automodel.components.models.deepseek_v41.config import (
         DeepseekV41Config,
@@ -85,7 +85,7 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
 
     engram_layer_ids = [i for i in (1, 3) if i < num_layers] if engram else []
     text = DeepseekV41TextConfig(
-        vocab_size=NUM_WORDS, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=num_layers,
+        vocab_size=vocab_size, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=num_layers,
         num_attention_heads=2, head_dim=16, qk_rope_head_dim=8, q_lora_rank=48, o_lora_rank=40, o_groups=1,
         n_routed_experts=4, num_experts_per_tok=2, compress_ratios=[0, 0, 2, 2, 1, 1][:num_layers],
         kv_source_layer_ids=[i for i in (2, 4) if i < num_layers],
@@ -100,9 +100,11 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
 
 
 def write_tiny_v41_release(out_dir: Path | str, *, seed: int, quantized: bool = True, engram: bool = True,
-                           num_layers: int = 6) -> Path:
+                           num_layers: int = 6, tokenizer=None) -> Path:
     """Write the tiny release (module docstring) into ``out_dir``; returns ``out_dir``. ``num_layers`` in [1, 6]
-    cuts the 6-layer schedule (compression, KV / index sources, Engram at 1 and 3) to its first layers."""
+    cuts the 6-layer schedule (compression, KV / index sources, Engram at 1 and 3) to its first layers.
+    ``tokenizer``: saved instead of the word-level one (the vocabulary padded to a multiple of 64), e.g. the
+    demo's ChatML tokenizer so that the release can capture chat data."""
     assert 1 <= num_layers <= 6, num_layers
     from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -112,10 +114,11 @@ def write_tiny_v41_release(out_dir: Path | str, *, seed: int, quantized: bool = 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    word_level_tokenizer().save_pretrained(out)
+    (tokenizer or word_level_tokenizer()).save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     config = tiny_v41_config(engram=engram, num_layers=num_layers,
-                             compressed_vocab_size=_compressed_token_map(tokenizer)[1])
+                             compressed_vocab_size=_compressed_token_map(tokenizer)[1],
+                             vocab_size=max(NUM_WORDS, 64 * -(-len(tokenizer) // 64)))
     torch.manual_seed(seed)  # initialize_weights draws from the global generator
     model = DeepseekV41ForCausalLM(config, backend=cpu_backend(), tokenizer=tokenizer)
     model.initialize_weights(torch.device("cpu"), dtype=torch.bfloat16)

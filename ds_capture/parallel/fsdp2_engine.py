@@ -149,7 +149,7 @@ def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
     """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
     from torch.distributed.tensor import DTensor
 
-    from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers
+    from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
     destinations: dict[str, torch.Tensor] = {}
     rows: dict[str, tuple[int, int]] = {}
@@ -161,6 +161,6 @@ def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
                 rows[name] = (start, length)
         else:
             destinations[name] = tensor
-    stats = fill_from_release(target, destinations, rows)
+    stats = fill_from_release(target, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

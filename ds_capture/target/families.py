@@ -106,8 +106,12 @@ class Family:
     nemo_config_class: str = ""
     """``module:Class`` of NeMo's config for this family's ``config.json``."""
     release_placement: str = ""
-    """``module:function`` ``(release key, NeMo config) -> Placement | None``: where one (logical) release tensor
-    goes in NeMo's model (:mod:`ds_capture.target.nemo_release`); None: never read."""
+    """``module:function`` ``(NeMo config, raw config.json, model's state-dict names) -> (release key -> Placement |
+    None)``: where one (logical) release tensor goes in NeMo's model (:mod:`ds_capture.target.nemo_release`);
+    None: never read."""
+    nemo_config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword overrides for NeMo's config ``from_pretrained`` (DeepSeek-V4.1: no vision tower, as NeMo's DSpark
+    target builds it)."""
     buffer_modules: tuple[str, ...] = ()
     """Modules of a NeMo model whose non-persistent buffers their own ``init_weights()`` recomputes after load."""
     needs_fla: bool = False
@@ -394,7 +398,8 @@ FAMILIES: dict[str, Family] = {
             model_type="deepseek_v41", implementation="nemo", text_config_attr="text_config",
             nemo_class=f"{_NEMO}.deepseek_v41.model:DeepseekV41ForCausalLM",
             nemo_config_class=f"{_NEMO}.deepseek_v41.config:DeepseekV41Config",
-            release_placement="ds_capture.target.nemo_v41:v41_placement", buffer_modules=("model.engram_hash",),
+            release_placement="ds_capture.target.nemo_v41:v41_placer", buffer_modules=("model.engram_hash",),
+            nemo_config_overrides={"vision_config": {"num_hidden_layers": 0}},
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",
             num_experts_key="n_routed_experts", residual_streams_key="hc_mult",
             feature_module="attn_hc", reduce_layer_output=_mean_over_hyper_connections,
@@ -409,7 +414,7 @@ FAMILIES: dict[str, Family] = {
             model_type="kimi_k3", implementation="nemo", text_config_attr="text_config", needs_fla=True,
             nemo_class=f"{_NEMO}.kimi_k3.model:KimiK3ForCausalLM",
             nemo_config_class=f"{_NEMO}.kimi_k3.config:KimiK3Config",
-            release_placement="ds_capture.target.nemo_k3:k3_placement",
+            release_placement="ds_capture.target.nemo_k3:k3_placer",
             embed_weight_key="language_model.model.embed_tokens.weight",
             lm_head_weight_key="language_model.lm_head.weight", moe_block="mlp", num_experts_key="num_experts",
             attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import Any, Callable
 
 from ds_capture.errors import CaptureError
 from ds_capture.target.nemo_release import Placement
@@ -144,17 +143,11 @@ def _layer_placement(layer: int, rest: str, layout: K3Layout) -> Placement:
     return Placement(prefix + rest)
 
 
-def place(target: torch.Tensor, placement: Placement, value: torch.Tensor, *, first_expert: int = 0) -> None:
-    """Copy the release tensor ``value`` into ``target`` (the model's tensor ``placement.native``) as placed.
 
-    ``target`` holds experts ``first_expert, ...`` on its dim 0 when the placement is an expert's (a rank's share
-    under expert parallelism). ``copy_`` casts to ``target``'s dtype: the dequantized fp32 experts round once, to
-    the model's dtype; KDA's fp32 holders stay fp32.
-    """
-    if placement.narrow is not None:
-        value = value.narrow(*placement.narrow)
-    if placement.transpose:
-        value = value.transpose(-2, -1)
-    if placement.expert is not None:
-        target = target[placement.expert - first_expert]
-    target[placement.index].copy_(value)
+def k3_placer(config: Any, raw_config: dict, native_keys) -> Callable[[str], Placement | None]:
+    """The family's ``release_placement``: release key -> :class:`Placement` for the model built from ``config``
+    (NeMo's config; its text ``num_hidden_layers`` may be reduced) with state-dict names ``native_keys``."""
+    text = dict(raw_config["text_config"] if raw_config.get("model_type") == "kimi_k3" else raw_config)
+    text["num_hidden_layers"] = getattr(config, "text_config", config).num_hidden_layers
+    layout = read_k3_layout(text, native_keys)
+    return lambda key: k3_placement(key, layout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -71,7 +72,7 @@ def read_nemo_config(family: Any, path: Path) -> Any:
     if raw_type != config_class.model_type:  # the text config alone (Kimi K3's `kimi_linear` form)
         config_class = config_class.sub_configs["text_config"]
     try:
-        config = config_class.from_pretrained(str(path))
+        config = config_class.from_pretrained(str(path), **dict(family.nemo_config_overrides))
     except (ValueError, OSError, TypeError, KeyError) as error:
         raise CaptureError(f"{path / 'config.json'}: NeMo's {config_class.__name__} cannot read this config "
                            f"({type(error).__name__}: {error}).") from error
@@ -94,8 +95,10 @@ def eager_expert_activations() -> None:
     so this runs before every build."""
     experts = importlib.import_module("nemo_automodel.components.moe.experts")
     for name, value in list(vars(experts).items()):
+        if not isinstance(value, types.FunctionType):  # NeMo's placeholders for absent kernels raise on any getattr
+            continue
         original = getattr(value, "_torchdynamo_orig_callable", None)
-        if callable(value) and original is not None and getattr(original, "__module__", "") == experts.__name__:
+        if original is not None and getattr(original, "__module__", "") == experts.__name__:
             setattr(experts, name, original)
 
 
@@ -172,36 +175,37 @@ def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) ->
     model.to_empty(device=device)
     restore_tensor_layout(model, layout)
     state = model.state_dict(keep_vars=True)
-    stats = fill_from_release(target, state, expert_rows(model))
+    stats = fill_from_release(target, state, expert_rows(model), dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats
 
 
 @torch.no_grad()
-def fill_from_release(target: Any, destinations: dict[str, torch.Tensor],
-                      rows: dict[str, tuple[int, int]]) -> Any:
+def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]], *,
+                      dtype: torch.dtype) -> Any:
     """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor).
 
     ``rows[name] = (start, count)``: the local tensor holds rows ``[start, start + count)`` of dim 0 of the
-    native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk); a release tensor whose expert or
+    native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk); ``dtype`` the model dtype (quantized
+    tensors are rounded to it first, as NeMo's adapters store them); a release tensor whose expert or
     rows fall outside is never read. Every local tensor must be covered exactly; the keys the family does not
     read (vision tower, multi-token prediction, layers past the model's depth) are never opened."""
-    from safetensors import safe_open
-
     from ds_capture.target import quant
     from ds_capture.target.loading import LoadStats, _checkpoint_index, _few
+    from ds_capture.target.nemo_release import read_release_tensor, transform
 
     family = target.family
     config = read_nemo_config(family, target.path)
     if target.checkpoint_num_hidden_layers is not None:  # a reduced-depth build reads the first layers only
         getattr(config, "text_config", config).num_hidden_layers = target.num_hidden_layers
-    place: Callable = resolve(family.release_placement)
+    raw = json.loads((target.path / "config.json").read_text())
+    place_key: Callable = resolve(family.release_placement)(config, raw, destinations.keys())
     files = _checkpoint_index(target.path)
     headers = quant.read_headers(files.values())
     index, _parts = quant.logical_keys(files, headers)
     reads, unexpected = [], []
     for key in sorted(index):
-        placement = place(key, config)
+        placement = place_key(key)
         if placement is None:
             continue
         if placement.native not in destinations:
@@ -217,16 +221,11 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor],
     written: dict[str, int] = {}
     stats = LoadStats()
     for key, placement in reads:
-        if key in quantized:
-            qt = quantized[key]
-            tensor, num_bytes = quant.read_dequantized(qt, quant.region_of(qt, None, 0, 0))
-        else:
-            with safe_open(index[key], framework="pt") as handle:
-                tensor = handle.get_tensor(key).clone()
-            num_bytes = tensor.numel() * tensor.element_size()
+        # Dequantized in fp32 and rounded to the model dtype, as NeMo's adapters store it (then cast on copy).
+        tensor, num_bytes = read_release_tensor(key, index, quantized, dtype)
         stats.bytes_read += num_bytes
         stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
-        tensor = placement.apply(tensor)
+        tensor = transform(placement, tensor)
         destination = destinations[placement.native]
         start, count = rows.get(placement.native, (0, None))
         if placement.expert is not None:
@@ -251,6 +250,11 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor],
             "recipe_args.target_model_name_or_path at the complete release."
         )
     return stats
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the NeMo model was built in (its embedding's; fp32 islands aside)."""
+    return model.get_input_embeddings().weight.dtype
 
 
 def _persistent_names(model: nn.Module) -> set[str]:

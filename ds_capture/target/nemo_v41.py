@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ds_capture.errors import CaptureError
 from ds_capture.target.nemo_release import Placement
@@ -131,3 +131,8 @@ def _unknown(release_key: str, num_hidden_layers: int) -> CaptureError:
         f"{num_hidden_layers}). The checkpoint is not DeepSeek-V4.1's release layout: check config.json's "
         "model_type and the checkpoint's model.safetensors.index.json."
     )
+
+
+def v41_placer(config: Any, raw_config: dict, native_keys) -> Callable[[str], Placement | None]:
+    """The family's ``release_placement``: release key -> :class:`Placement` for the model built from ``config``."""
+    return lambda key: v41_placement(key, config)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from ds_capture.errors import CaptureError  # noqa: E402
 from ds_capture.target import quant  # noqa: E402
-from ds_capture.target.nemo_k3 import is_kimi_k3, k3_placement, place, read_k3_layout  # noqa: E402
+from ds_capture.target.nemo_k3 import is_kimi_k3, k3_placement, read_k3_layout  # noqa: E402
+from ds_capture.target.nemo_release import place  # noqa: E402
 from tests.nemo_k3_release import NUM_EXPERTS, NUM_LAYERS, VISION_TENSORS, build_nemo_k3, write_tiny_k3_release  # noqa: E402
 
 FIXTURES = Path(__file__).parents[1] / "fixtures/release_configs"
