@@ -116,3 +116,23 @@ def write_tiny_k3_release(out_dir: Path, *, seed: int, quantized: bool = True, a
     save_file(released, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out_dir
+
+
+def nemo_reference(path: Path, dtype: torch.dtype):
+    """NeMo's own load of the release: ``KimiK3ForCausalLM`` on CPU in ``dtype``, the keys its ``to_hf`` asks for,
+    ``from_hf`` (a fresh adapter: its MXFP4 decode would otherwise write through views into the model),
+    ``load_state_dict``."""
+    from nemo_automodel.components.models.kimi_k3.state_dict_adapter import KimiK3StateDictAdapter
+    from safetensors.torch import load_file
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    model = build_nemo_k3(raw, dtype=dtype)
+
+    def fresh():
+        return KimiK3StateDictAdapter(model.config, model.model.moe_config, model.backend,
+                                      dtype=model.state_dict_adapter.dtype)
+
+    wanted = fresh().to_hf(model.state_dict(), quantization="quantization_config" in raw["text_config"])
+    stored = load_file(Path(path) / "model.safetensors")
+    model.load_state_dict(fresh().from_hf({key: stored[key] for key in wanted}), strict=True)
+    return model.eval()

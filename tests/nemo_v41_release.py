@@ -222,3 +222,22 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = (groups / scale[..., None]).reshape(rows, cols)
     codes = (values[..., None] - E2M1).abs().argmin(-1).to(torch.uint8)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), scale.to(torch.float8_e8m0fnu)
+
+
+def nemo_reference(path: Path, dtype: torch.dtype):
+    """NeMo's own load of the release, as its DSpark target builds it: the class on CPU in ``dtype`` (the config's
+    ``name_or_path`` finds the Engram tokenizer), ``from_hf`` over the whole release dict, ``load_state_dict``."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import DeepseekV41StateDictAdapter
+    from safetensors.torch import load_file
+
+    config = DeepseekV41Config.from_pretrained(path, name_or_path=str(path))
+    config.text_config.dtype = dtype
+    model = DeepseekV41ForCausalLM(config, backend=cpu_backend())
+    stored = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        stored.update(load_file(file))
+    adapter = DeepseekV41StateDictAdapter(config, model.moe_config, model.backend, dtype=dtype)
+    model.load_state_dict(adapter.from_hf(stored), strict=True)
+    return model.eval()

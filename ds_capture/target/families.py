@@ -530,7 +530,7 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
     return TargetInfo(
         path=Path(target_dir),
         family=family,
-        model_type=model_type,
+        model_type=raw.get("model_type", ""),  # as config.json says it (NeMo's manifests record this one)
         vocab_size=int(text.vocab_size),
         hidden_size=int(text.hidden_size),
         num_hidden_layers=int(text.num_hidden_layers),
