@@ -43,6 +43,13 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     return {name: writer(root / name, seed=0, tokenizer=demo_tokenizer()) for name, writer in writers.items()}
 
 
+@pytest.fixture(scope="module")
+def caches(releases, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """One single-process cache per family (its directory and its tensors), shared by the tests."""
+    root = tmp_path_factory.mktemp("nemo_caches")
+    return {name: (root / name, capture(releases[name], root / name, CASES[name][1])) for name in CASES}
+
+
 def capture(release: Path, out: Path, layer_ids: list[int], **capture_options) -> dict:
     cfg = parse_config({
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
@@ -75,7 +82,7 @@ def nemo_capture(release: Path, cache: dict, layer_ids: list[int], lengths: torc
             "target_last_hidden_states": batch.target_last_hidden_states}
 
 
-def content_lengths(cfg_out: Path, release: Path) -> torch.Tensor:
+def content_lengths(release: Path) -> torch.Tensor:
     """Each row's token count, from ds_capture's tokenization of the same rows (NeMo-exact:
     tests/unit/test_data_conformance.py), independent of what the cache holds."""
     from transformers import AutoTokenizer
@@ -93,11 +100,11 @@ def content_lengths(cfg_out: Path, release: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("model_type", sorted(CASES))
-def test_single_process_cache_equals_nemos_dspark_wrapper(model_type, releases, tmp_path, capfd):
+def test_single_process_cache_equals_nemos_dspark_wrapper(model_type, releases, caches):
     module, layer_ids, tolerance = CASES[model_type]
     release = releases[model_type]
-    ours = capture(release, tmp_path / "cache", layer_ids)
-    lengths = content_lengths(tmp_path / "cache", release)
+    _, ours = caches[model_type]
+    lengths = content_lengths(release)
     assert int(lengths.min()) > 0 and int(lengths.max()) <= SEQ_LENGTH
     theirs = nemo_capture(release, ours, layer_ids, lengths)
     for key, expected in theirs.items():
@@ -109,3 +116,33 @@ def test_single_process_cache_equals_nemos_dspark_wrapper(model_type, releases, 
         print(f"{model_type} {key}: max |ours - NeMo| = {diff:.3g} (max |NeMo| {scale:.3g})")
         assert diff <= tolerance * scale, (key, diff)
         assert torch.count_nonzero(got[~content]) == 0, key  # zeros at padding: our contract
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_nemos_reader_and_trainer_checks_accept_the_cache(model_type, releases, caches):
+    """NeMo's ``read_manifest`` / ``CachedDSparkDataset`` read every row as written, and its trainer's own cache
+    checks (``_validate_cached_dspark_manifest`` against NeMo's config of the target, the supervision options)
+    accept the cache."""
+    from nemo_automodel.components.datasets.llm.dspark_cache import CachedDSparkDataset, read_manifest
+    from nemo_automodel.components.datasets.llm.offline_cache import ensure_supervision_options_match
+    from nemo_automodel.recipes.llm.train_dspark import _validate_cached_dspark_manifest
+
+    from ds_capture.target.families import FAMILIES
+    from ds_capture.target.nemo_models import read_nemo_config
+
+    module, layer_ids, _ = CASES[model_type]
+    release, (out, ours) = releases[model_type], caches[model_type]
+    manifest = read_manifest(str(out))
+    config = read_nemo_config(FAMILIES[model_type], release)
+    _validate_cached_dspark_manifest(str(out), manifest, config.text_config, layer_ids, target_model=str(release),
+                                     target_model_type=json.loads((release / "config.json").read_text())["model_type"],
+                                     seq_length=SEQ_LENGTH, compute_dtype=torch.float32)
+    ensure_supervision_options_match(manifest, {"mask_generation_prompt": False, "mask_reasoning_content": False},
+                                     cache_name="DSpark", cache_dir=str(out), producer_name="ds-capture")
+    dataset = CachedDSparkDataset(str(out))
+    assert len(dataset) == NUM_ROWS
+    for row in range(NUM_ROWS):
+        item = dataset[row]
+        for key, value in item.items():
+            if key in ours:
+                assert torch.equal(value, ours[key][row]), (row, key)
