@@ -133,6 +133,10 @@ def _expert_parallel_class(cls: type) -> type:
 
 def moe_experts_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Module]]:
     """``(qualified name, experts module)`` of every MoE block (dense layers of a MoE family are skipped)."""
+    if family.is_nemo:  # NeMo's GroupedExperts, wherever its MoE block keeps them
+        from ds_capture.target.nemo_models import is_grouped_experts
+
+        return [(name, module) for name, module in model.named_modules() if is_grouped_experts(module)]
     found = []
     for index, layer in enumerate(get_submodule(model, family.layers)):
         block = getattr(layer, family.moe_block, None)

@@ -156,6 +156,18 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
     return swapped
 
 
+def refuse_resident_experts(family, storage: str) -> None:
+    """``checkpoint`` storage needs the transformers experts this module wraps; NeMo's ``GroupedExperts`` take
+    dequantized stacked tensors."""
+    if storage == "checkpoint" and family.is_nemo:
+        raise CaptureError(
+            f"capture.expert_storage: checkpoint keeps the routed experts in the checkpoint's format inside "
+            f"transformers' fused experts; model_type {family.model_type!r} is built by NeMo AutoModel's class, whose "
+            "GroupedExperts hold dequantized stacked tensors. Use capture.expert_storage: dequantized (and "
+            "distributed.ep_size to spread the experts over more ranks)."
+        )
+
+
 def check_expert_storage(storage: str, engine: str, world_size: int) -> None:
     """``checkpoint`` storage runs on the DeepSpeed engine's layouts (and one process); FSDP2 is refused."""
     if storage not in EXPERT_STORAGES:

@@ -147,7 +147,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size).total_params, ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
     )
-    checkpoint = mm.checkpoint_expert_storage(target_quantization(target))
+    checkpoint = None if target.family.is_nemo else mm.checkpoint_expert_storage(target_quantization(target))
     if checkpoint is not None and checkpoint.bytes_per_param is not None:
         for option in (mm.COMPUTE_STORAGE, checkpoint):
             if option.format != storage.format:
@@ -213,6 +213,9 @@ def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
 def _configured_storage(cfg: RunConfig, target: TargetInfo) -> mm.ExpertStorage:
     # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
     if cfg.capture.expert_storage == "checkpoint":
+        from ds_capture.parallel.resident_experts import refuse_resident_experts
+
+        refuse_resident_experts(target.family, "checkpoint")
         storage = mm.checkpoint_expert_storage(target_quantization(target))
         if storage is not None:
             return storage

@@ -174,7 +174,8 @@ class Sizer:
                     for name, p in model.named_parameters() for part in [partitions.get(name)])
         return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total,
                       text_config=family.text_config(model.config),
-                      attn_implementation=str(model.config._attn_implementation))
+                      attn_implementation=(family.attn_implementations[0] if family.is_nemo  # NeMo: its backend's
+                                           else str(model.config._attn_implementation)))
 
     def _kind(self, name: str, expert_prefixes: tuple[str, ...]) -> str:
         family = self.target.family
@@ -206,6 +207,8 @@ class Sizer:
                 outputs[entry.kind][entry.layer] += entry.shape[0]  # a projection's local output features
             if entry.is_expert and entry.name.endswith("down_proj") and len(entry.shape) == 3:
                 intermediate = entry.shape[2]  # fused [E, H, I]
+            if entry.is_expert and entry.name.endswith("down_projs") and len(entry.shape) == 3:
+                intermediate = entry.shape[1]  # NeMo's GroupedExperts: [E, I, H]
         streams = int(getattr(text, family.residual_streams_key, 1) or 1) if family.residual_streams_key else 1
         return mm.BlockShapes(
             hidden_size=self.target.hidden_size, residual_streams=streams,
@@ -214,7 +217,8 @@ class Sizer:
             head_dim=int(getattr(text, "head_dim", None) or self.target.hidden_size // self.target.num_attention_heads),
             kv_heads=max(1, (self.target.num_key_value_heads or self.target.num_attention_heads) // tp_size),
             mlp_outputs=max(outputs["dense/shared MLP"].values(), default=0),
-            experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if family.is_moe else 0,
+            experts_per_token=int(getattr(text, "num_experts_per_tok", None) or getattr(text, "num_experts_per_token", 0)
+                                  or 0) if family.is_moe else 0,
             expert_intermediate=intermediate, vocab_size=self.target.vocab_size)
 
     # -- ranks ---------------------------------------------------------------------------------------------------

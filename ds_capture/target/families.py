@@ -112,6 +112,9 @@ class Family:
     nemo_config_overrides: Mapping[str, Any] = field(default_factory=dict)
     """Keyword overrides for NeMo's config ``from_pretrained`` (DeepSeek-V4.1: no vision tower, as NeMo's DSpark
     target builds it)."""
+    planning_tokenizer: str = ""
+    """``module:function`` ``(NeMo config) -> tokenizer`` the class is built with when the target directory has no
+    tokenizer (``ds-capture plan`` on a release's config.json alone; DeepSeek-V4.1's Engram needs one)."""
     buffer_modules: tuple[str, ...] = ()
     """Modules of a NeMo model whose non-persistent buffers their own ``init_weights()`` recomputes after load."""
     needs_fla: bool = False
@@ -400,6 +403,7 @@ FAMILIES: dict[str, Family] = {
             nemo_config_class=f"{_NEMO}.deepseek_v41.config:DeepseekV41Config",
             release_placement="ds_capture.target.nemo_v41:v41_placer", buffer_modules=("model.engram_hash",),
             nemo_config_overrides={"vision_config": {"num_hidden_layers": 0}},
+            planning_tokenizer="ds_capture.target.nemo_v41:planning_tokenizer",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",
             num_experts_key="n_routed_experts", residual_streams_key="hc_mult",
             feature_module="attn_hc", reduce_layer_output=_mean_over_hyper_connections,

@@ -139,10 +139,17 @@ def build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
         if hasattr(text, field):
             setattr(text, field, dtype_name)
     model_class = resolve(family.nemo_class)
+    kwargs = {}
+    if family.planning_tokenizer and not _has_tokenizer(target.path):
+        kwargs["tokenizer"] = resolve(family.planning_tokenizer)(config)
     with _without_process_group(), torch.device("meta"):
-        model = model_class(config, backend=cpu_backend())
+        model = model_class(config, backend=cpu_backend(), **kwargs)
     cast_model_to_dtype(model, dtype)
     return model.eval().requires_grad_(False)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
 # ------------------------------------------------------------------------------------------------ loading

@@ -136,3 +136,18 @@ def _unknown(release_key: str, num_hidden_layers: int) -> CaptureError:
 def v41_placer(config: Any, raw_config: dict, native_keys) -> Callable[[str], Placement | None]:
     """The family's ``release_placement``: release key -> :class:`Placement` for the model built from ``config``."""
     return lambda key: v41_placement(key, config)
+
+
+def planning_tokenizer(config: Any) -> Any:
+    """A stand-in for the release's tokenizer when only ``config.json`` is there (``ds-capture plan`` on a typed-in
+    release config): Engram builds its hash tables from a tokenizer whose normalised vocabulary must have
+    ``engram_compressed_vocab_size`` entries. Word-level, ``vocab_size`` tokens: that many distinct lowercase
+    words, then capitalised copies that normalise onto them. Sizes only; a capture always uses the release's own."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    text = config.text_config
+    distinct = int(text.engram_compressed_vocab_size)
+    vocab = {f"w{i}": i for i in range(distinct)}
+    vocab.update({f"W{i}": distinct + i for i in range(max(0, int(text.vocab_size) - distinct))})
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
