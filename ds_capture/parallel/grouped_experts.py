@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.expert_parallel import check_ep_divides, keep_local_experts
+from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
 from ds_capture.target.nemo_models import is_grouped_experts
 
 

@@ -521,7 +521,7 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
 
     read_quant_config(raw, config_path)  # an unsupported quant_method is refused before any weight loads
     if family.is_nemo:
-        from ds_capture.target.nemo_models import read_nemo_config
+        from ds_capture.target.nemo_config import read_nemo_config
 
         config = read_nemo_config(family, Path(target_dir))
     else:

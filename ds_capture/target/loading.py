@@ -39,15 +39,14 @@ from ds_capture.errors import CaptureError
 from ds_capture.target import quant
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.quant import QuantTensor
-
-
-@dataclass
-class LoadStats:
-    """What :func:`load_owned_parameters` read from disk on this rank."""
-
-    bytes_read: int = 0
-    num_files: int = 0
-    bytes_by_param: dict[str, int] = field(default_factory=dict)
+from ds_capture.target.tensor_io import (  # noqa: F401  (re-exported: the engines and tests import them from here)
+    LoadStats,
+    TensorLayout,
+    _checkpoint_index,
+    _few,
+    record_tensor_layout,
+    restore_tensor_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -100,20 +99,6 @@ def _reduce_depth(text_config, num_layers: int) -> None:
             setattr(text_config, name, value[:num_layers])
 
 
-@dataclass
-class TensorLayout:
-    """Dtypes of every parameter / buffer, to survive casts (``init_inference`` casts the whole module)."""
-
-    dtypes: dict[str, torch.dtype]
-
-
-def record_tensor_layout(model: nn.Module) -> TensorLayout:
-    # Every name, shared ones included: a tied lm_head is listed under its own name once to_empty untied it.
-    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
-    return TensorLayout(dtypes={name: t.dtype for name, t in tensors.items()})
-
-
 @torch.no_grad()
 def compute_host_buffers(model: nn.Module) -> None:
     """Fill every non-persistent buffer (rotary ``inv_freq``, embedding scales) the way ``from_pretrained`` does.
@@ -134,23 +119,6 @@ def compute_host_buffers(model: nn.Module) -> None:
             for param in params:
                 del param._is_hf_initialized
 
-
-@torch.no_grad()
-def restore_tensor_layout(model: nn.Module, layout: TensorLayout) -> None:
-    """Undo what a whole-model cast did (``init_inference`` calls ``module.bfloat16()``).
-
-    Parameters and buffers keep their (uninitialised or meta) storage in the recorded dtype; they are filled later.
-    """
-    for name, param in model.named_parameters():
-        if param.dtype != layout.dtypes[name]:
-            module_name, _, leaf = name.rpartition(".")
-            fresh = torch.empty(param.shape, dtype=layout.dtypes[name], device=param.device)
-            setattr(model.get_submodule(module_name), leaf, nn.Parameter(fresh, requires_grad=False))
-    for name, buffer in model.named_buffers():
-        if buffer.dtype != layout.dtypes[name]:  # e.g. DeepSeek's fp32 e_score_correction_bias, rotary inv_freq
-            module_name, _, leaf = name.rpartition(".")
-            model.get_submodule(module_name)._buffers[leaf] = torch.empty(buffer.shape, dtype=layout.dtypes[name],
-                                                                         device=buffer.device)
 
 
 def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
@@ -184,24 +152,6 @@ def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
         for leaf, cut in getattr(module, "expert_slices", {}).items():  # expert parallelism: the rank's experts
             owned[prefix + leaf] = cut
     return owned
-
-
-def _checkpoint_index(path: Path) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it."""
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        return {key: path / name for key, name in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise CaptureError(
-            f"recipe_args.target_model_name_or_path: {path} has no model.safetensors(.index.json). "
-            "Save the target with save_pretrained(safe_serialization=True)."
-        )
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as handle:
-        return {key: single for key in handle.keys()}
 
 
 @dataclass
@@ -514,10 +464,6 @@ def _release_freed_memory() -> None:
 
 _MALLOC_TRIM = None
 _TRIM_EVERY_BYTES = 4 << 20
-
-
-def _few(names: list[str], limit: int = 8) -> str:
-    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "") or "none"
 
 
 def _owned_expert_keys(keys: list[str], pattern_of: dict[str, str], cut: OwnedSlice | None) -> list[str]:

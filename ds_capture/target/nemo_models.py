@@ -33,52 +33,7 @@ import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
-
-INSTALL_HINT = (
-    "Install the nemo extra: `pip install 'ds-capture[nemo]'` then `pip install --no-deps nemo_automodel==0.7.0` "
-    "(scripts/install_nemo_extra.sh does both; NeMo pins transformers 5.18, so pip cannot resolve it as a "
-    "plain requirement, and its model classes run with this project's transformers)."
-)
-
-
-def resolve(dotted: str) -> Any:
-    """``"package.module:attribute"`` -> the attribute (imports the module)."""
-    module, _, attribute = dotted.partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def require_nemo(model_type: str, source: str) -> None:
-    """A ``CaptureError`` naming the fix when NeMo AutoModel 0.7.0 is not importable."""
-    try:
-        import nemo_automodel
-    except ImportError:
-        raise CaptureError(
-            f"{source}: model_type {model_type!r} is built by NeMo AutoModel 0.7.0's model class, which is not "
-            f"installed. {INSTALL_HINT}"
-        ) from None
-    version = getattr(nemo_automodel, "__version__", "unknown")
-    if not str(version).startswith("0.7.0"):
-        raise CaptureError(
-            f"{source}: model_type {model_type!r} needs nemo_automodel 0.7.0 (its model classes and state-dict "
-            f"adapters are this project's contract); {version} is installed. {INSTALL_HINT}"
-        )
-
-
-def read_nemo_config(family: Any, path: Path) -> Any:
-    """NeMo's config class read from ``path/config.json`` (nested text config included)."""
-    require_nemo(family.model_type, str(path / "config.json"))
-    config_class = resolve(family.nemo_config_class)
-    raw_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if raw_type != config_class.model_type:  # the text config alone (Kimi K3's `kimi_linear` form)
-        config_class = config_class.sub_configs["text_config"]
-    try:
-        config = config_class.from_pretrained(str(path), **dict(family.nemo_config_overrides))
-    except (ValueError, OSError, TypeError, KeyError) as error:
-        raise CaptureError(f"{path / 'config.json'}: NeMo's {config_class.__name__} cannot read this config "
-                           f"({type(error).__name__}: {error}).") from error
-    config._name_or_path = str(path)  # where DeepSeek-V4.1's Engram finds the release's tokenizer
-    return config
-
+from ds_capture.target.nemo_config import read_nemo_config, resolve
 
 def cpu_backend() -> Any:
     """The torch backend every NeMo target is built with (CPU and GPU alike: one numerics, exact EP)."""
@@ -176,7 +131,7 @@ def expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
 def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) -> Any:
     """Materialise ``model`` on ``device`` and fill it from the release checkpoint (see the module docstring),
     then recompute its non-persistent buffers."""
-    from ds_capture.target.loading import record_tensor_layout, restore_tensor_layout
+    from ds_capture.target.tensor_io import record_tensor_layout, restore_tensor_layout
 
     layout = record_tensor_layout(model)
     model.to_empty(device=device)
@@ -198,7 +153,7 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: 
     rows fall outside is never read. Every local tensor must be covered exactly; the keys the family does not
     read (vision tower, multi-token prediction, layers past the model's depth) are never opened."""
     from ds_capture.target import quant
-    from ds_capture.target.loading import LoadStats, _checkpoint_index, _few
+    from ds_capture.target.tensor_io import LoadStats, _checkpoint_index, _few
     from ds_capture.target.nemo_release import read_release_tensor, transform
 
     family = target.family

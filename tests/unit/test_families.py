@@ -302,7 +302,8 @@ def test_unsupported_quantization_is_refused_before_loading(family_target, tmp_p
     assert str(caught.value) == (
         f"{target / 'config.json'}: {where}quantization_config has quant_method {method!r}, which ds_capture cannot "
         "dequantize. Supported: fp8 (block FP8 with weight_scale_inv / DeepSeek-V4 .scale, FP4 e2m1 experts with "
-        "e8m0 scales) and compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8). Use a release in "
+        "e8m0 scales) and compressed-tensors (pack-quantized symmetric INT4, float-quantized FP8, mxfp4-pack-quantized "
+        "MXFP4). Use a release in "
         "one of those formats or a bf16 / fp16 / fp32 checkpoint (if the tensors already are bf16, drop "
         "quantization_config from config.json).")
 
@@ -365,16 +366,19 @@ def test_gpt_oss_sdpa_is_refused_before_loading(family_target, tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("model_type, start", [
-    ("deepseek_v41", "config.json: model_type 'deepseek_v41' (DeepSeek-V4.1) has no transformers implementation; "
-                     "NeMo AutoModel 0.7.0's DeepseekV41ForCausalLM builds and runs on CPU"),
-    ("kimi_k3", "config.json: model_type 'kimi_k3' (Kimi K3) has no transformers implementation; NeMo AutoModel "
-                "0.7.0's KimiK3ForCausalLM needs the flash-linear-attention (fla) Triton kernels"),
+@pytest.mark.parametrize("raw, expected", [
+    ({"model_type": "kimi_linear", "attn_res_block_size": 12}, "kimi_k3"),  # K3's text config alone
+    ({"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}, "kimi_linear"),  # Kimi-Linear
+    ({"model_type": "kimi_k3"}, "kimi_k3"),
+    ({"model_type": "deepseek_v41"}, "deepseek_v41"),
 ])
-def test_nemo_only_targets_are_refused_with_the_reason(tmp_path, model_type, start):
-    """Refused from config.json alone, before transformers is asked to read a config it does not know."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    with pytest.raises(CaptureError) as caught:
-        read_target_info(tmp_path)
-    assert str(caught.value).startswith(f"{tmp_path / 'config.json'}: {start.removeprefix('config.json: ')}")
-    assert FAMILIES[model_type].refusal
+def test_nemo_built_families_are_registry_entries_dispatched_from_config_json(raw, expected):
+    """NeMo's classes build V4.1 and K3 (the nemo extra); K3's text config claims Kimi-Linear's model_type, so its
+    K3-only fields decide (transformers' Kimi-Linear otherwise)."""
+    from ds_capture.target.families import resolve_model_type
+
+    assert resolve_model_type(raw) == expected
+    family = FAMILIES[expected]
+    assert family.is_nemo == (expected != "kimi_linear") and not family.refusal
+    if family.is_nemo:
+        assert not family.supports_tp and family.tp_refusal.startswith(f"model_type {expected!r} is built by NeMo")

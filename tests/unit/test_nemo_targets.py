@@ -35,6 +35,24 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def transformers_registries_restored():
+    """NeMo's recipe modules (imported here for its trainer's checks) register their own config / model classes
+    under transformers' model types (e.g. ``deepseek_v4``) in the auto mappings of the whole process; put those
+    mappings back afterwards so the other test modules see transformers' classes (a ds-capture run imports no
+    NeMo recipe)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    mappings = [configuration_auto.CONFIG_MAPPING, *(value for name, value in vars(modeling_auto).items()
+                                                     if name.startswith("MODEL") and name.endswith("_MAPPING")
+                                                     and hasattr(value, "_extra_content"))]
+    saved = [dict(mapping._extra_content) for mapping in mappings]
+    yield
+    for mapping, content in zip(mappings, saved):
+        mapping._extra_content.clear()
+        mapping._extra_content.update(content)
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nemo_releases")
@@ -128,7 +146,7 @@ def test_nemos_reader_and_trainer_checks_accept_the_cache(model_type, releases, 
     from nemo_automodel.recipes.llm.train_dspark import _validate_cached_dspark_manifest
 
     from ds_capture.target.families import FAMILIES
-    from ds_capture.target.nemo_models import read_nemo_config
+    from ds_capture.target.nemo_config import read_nemo_config
 
     module, layer_ids, _ = CASES[model_type]
     release, (out, ours) = releases[model_type], caches[model_type]
