@@ -1,0 +1,172 @@
+"""DeepSeek-V4.1 and Kimi K3 (NeMo AutoModel's own classes): every supported distributed layout writes the same cache
+as one process, and TP is refused before any weight loads.
+
+Each case runs the real CLI (``python -m ds_capture run -c recipe.yaml``) on real gloo ranks through torchrun, on the
+tiny release checkpoints (tests/nemo_v41_release.py, tests/nemo_k3_release.py: quantized as released), 8 demo rows,
+S=32, fp32, and compares it with the single-process cache (tests/distributed/support.py's ``max_rel_diff``):
+``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``. EP of NeMo's GroupedExperts
+(ds_capture.parallel.grouped_experts) is exact by design, so an EP cache must also be the single-process cache byte
+for byte, in fp32 and in bf16 (the same expert selection: a flipped top-k in bf16 would show as a changed byte).
+
+Layer ids: V4.1 captures at its feature module (ids ``0..L-1``, ``-1`` refused), K3 through NeMo's generic rule.
+Every outcome is recorded in ``benchmarks/results/support_matrix.json`` under ``DS_CAPTURE_FULL=1`` (the table in
+docs/support.md). CI keeps one EP cell per family, K3's bf16 EP cell and one TP refusal; the rest is ``slow``
+(measured once: every cell 0.0 max relative diff, the EP caches byte-identical).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("nemo_automodel")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launchers import run_launcher  # noqa: E402
+from support import max_rel_diff, record, safetensors_digests  # noqa: E402
+
+from ds_capture.target.families import FAMILIES  # noqa: E402
+
+LAYER_IDS = {"deepseek_v41": [0, 1, 2, 5], "kimi_k3": [-1, 0, 1, 3]}
+DTYPES = {"fp32": {"cache_dtype": "fp32", "compute_dtype": "fp32"},
+          "bf16": {"cache_dtype": "bf16", "compute_dtype": "bf16"}}
+
+# (model_type, layout, nproc, ep_size, engine): the supported layouts checked for equality with one process.
+_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "ep", 2, 2, "deepspeed")]
+_SLOW_CASES = [(m, layout, 2, ep, engine) for m in sorted(LAYER_IDS)
+               for layout, ep, engine in (("dp", 1, "deepspeed"), ("fsdp2", 1, "fsdp2"))]
+EQUAL_CASES = [*_CI_CASES, *[pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_CASES]]
+REFUSED_CASES = [("kimi_k3", "tp"), pytest.param("deepseek_v41", "tp", marks=pytest.mark.slow)]
+# bf16 EP vs one process, bitwise: K3 in CI (12 s with its reference), V4.1 slow (17 s).
+BF16_CASES = ["kimi_k3", pytest.param("deepseek_v41", marks=pytest.mark.slow)]
+
+
+def _case_id(case) -> str:
+    values = case.values if hasattr(case, "values") else case  # a pytest.param (slow) or a plain tuple
+    return f"{values[0]}-{values[1]}"
+
+
+def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_size: int = 1,
+            engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]") -> Path:
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "engine": engine,
+        "distributed": {"tp_size": tp_size, "ep_size": ep_size},
+        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"]},
+        "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
+                            train_split=split, cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
+                            cache_shard_size=2, cache_dtype=DTYPES[dtype]["cache_dtype"],
+                            target_layer_ids=LAYER_IDS[model_type])}))
+    return recipe
+
+
+def _run(nproc: int, recipe: Path):
+    kind = "single" if nproc == 1 else "torchrun"
+    return run_launcher(kind, nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], None, 170)
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory) -> dict[str, Path]:
+    """Both tiny releases, written once for the module."""
+    from ds_capture.demo import demo_tokenizer
+    from tests import nemo_k3_release, nemo_v41_release
+
+    root = tmp_path_factory.mktemp("nemo_layout_releases")
+    writers = {"deepseek_v41": nemo_v41_release.write_tiny_v41_release,
+               "kimi_k3": nemo_k3_release.write_tiny_k3_release}
+    return {name: writer(root / name, seed=0, tokenizer=demo_tokenizer()) for name, writer in writers.items()}
+
+
+@pytest.fixture(scope="module")
+def single_caches(releases, tmp_path_factory):
+    """``single_caches(model_type, dtype, split) -> cache dir`` of one process, each made once for the module."""
+    root = tmp_path_factory.mktemp("nemo_single_caches")
+    made: dict[tuple[str, str, str], Path] = {}
+
+    def make(model_type: str, dtype: str = "fp32", split: str = "train[:8]") -> Path:
+        key = (model_type, dtype, split)
+        if key not in made:
+            out = root / f"{model_type}-{dtype}-{len(made)}"
+            result = _run(1, _recipe(releases[model_type], out, model_type, dtype=dtype, split=split))
+            assert result.returncode == 0, result.stdout[-4000:]
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def _run_layout(release: Path, out: Path, model_type: str, nproc: int, ep_size: int, engine: str, dtype: str,
+                split: str = "train[:8]"):
+    result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split))
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    producer = manifest["producer"]
+    assert (producer["engine"], producer["world_size"], producer["ep_size"]) == (engine, nproc, ep_size), producer
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_type, layout, nproc, ep_size, engine", EQUAL_CASES,
+                         ids=[_case_id(c) for c in EQUAL_CASES])
+def test_layout_equals_single_process(releases, single_caches, tmp_path, model_type, layout, nproc, ep_size, engine):
+    reference = single_caches(model_type)
+    record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
+    out = tmp_path / "cache"
+    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32")
+    diff = max_rel_diff(reference, out)
+    record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
+                                "nproc": nproc, "tp_size": 1, "ep_size": ep_size})
+    assert diff <= 1e-5, (model_type, layout, diff)
+    if layout == "ep":  # GroupedExperts' split is exact: the very bytes of one process
+        assert safetensors_digests(out) == safetensors_digests(reference), (model_type, layout, diff)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_type", BF16_CASES)
+def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type):
+    """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same."""
+    reference = single_caches(model_type, "bf16")
+    out = tmp_path / "cache"
+    _run_layout(releases[model_type], out, model_type, 2, 2, "deepspeed", "bf16")
+    assert safetensors_digests(out) == safetensors_digests(reference), (model_type, max_rel_diff(reference, out))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model_type", sorted(LAYER_IDS))
+def test_expert_parallel_idle_rank_is_bitwise(releases, single_caches, tmp_path, model_type):
+    """2 rows (one shard) over 2 EP ranks: rank 1 has no data and forwards the padding batch (V4.1's at the full
+    seq_length), entering every all-to-all of rank 0's forward; rank 0's shard is one process's, byte for byte."""
+    reference = single_caches(model_type, "fp32", "train[:2]")
+    out = tmp_path / "cache"
+    _run_layout(releases[model_type], out, model_type, 2, 2, "deepspeed", "fp32", split="train[:2]")
+    assert safetensors_digests(out) == safetensors_digests(reference), (model_type, max_rel_diff(reference, out))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("model_type, layout", REFUSED_CASES, ids=[_case_id(c) for c in REFUSED_CASES])
+def test_tensor_parallelism_is_refused_before_loading(releases, tmp_path, model_type, layout):
+    """On a copy of the release whose weight files are empty: any read of a weight would fail with another error
+    (a supported layout on it fails naming the cut-short safetensors header), so the refusal comes before loading."""
+    message = f"tp_size 2: {FAMILIES[model_type].tp_refusal}"
+    release = shutil.copytree(releases[model_type], tmp_path / "release_without_weights")
+    for weights in release.glob("*.safetensors"):
+        weights.write_bytes(b"")
+    out = tmp_path / "cache"
+    result = _run(2, _recipe(release, out, model_type, tp_size=2))
+    # Each rank exits 2 (a user error); torchrun reports any failed rank as its own exit code 1.
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert f"ds-capture run: error: {message}" in result.stdout and "Traceback (most recent call last):\n  File" \
+        not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
+    assert "not a readable safetensors file" not in result.stdout and not out.exists(), result.stdout[-4000:]
+    record(model_type, layout, {"status": "refused", "reason": message})
