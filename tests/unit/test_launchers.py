@@ -67,7 +67,9 @@ def occupy_after_reservation(monkeypatch, times: int) -> tuple[list[int], list[s
 
     def bindable_then_taken(port: int) -> bool:
         free = real_bindable(port)
-        if free and len(reserved) < times:
+        if not free:
+            return False  # busy already (another job on this box): the reservation moves on; not counted
+        if len(reserved) < times:
             server = socket.socket()
             server.bind(("127.0.0.1", 0))
             server.listen()
@@ -76,7 +78,7 @@ def occupy_after_reservation(monkeypatch, times: int) -> tuple[list[int], list[s
             client.connect(server.getsockname())
             sockets.extend([server, client])
         reserved.append(port)
-        return free
+        return True
 
     monkeypatch.setattr(launchers, "_bindable", bindable_then_taken)
     return reserved, sockets
