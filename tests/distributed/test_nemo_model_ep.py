@@ -19,7 +19,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import run_launcher  # noqa: E402
 
-pytestmark = [pytest.mark.distributed,
+# slow: tests/distributed/test_nemo_family_layouts.py checks EP of both whole families through the CLI in CI (the
+# cache's bytes equal one process's, fp32 and bf16); this lower-level check runs with --full.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("nemo_automodel") is None,
                                  reason="nemo_automodel (the nemo extra) is not installed")]
 WORKER = str(Path(__file__).resolve().parent / "_nemo_model_ep_worker.py")
