@@ -8,11 +8,12 @@ Out: the plain Hugging Face CausalLM module (unwrapped from DeepSpeed's Inferenc
      ``model(input_ids=..., attention_mask=...)`` under ``torch.no_grad()`` (gloo collectives fail under
      ``inference_mode``) with its own micro-batch; ranks of one TP group must pass the same batch.
 
-Steps: meta model -> expert parallelism (ep > 1, :mod:`.expert_parallel`) -> AutoTP
+Steps: meta model -> expert parallelism (ep > 1, :mod:`.expert_parallel`) -> the family's row-parallel tables
+split over every rank (:mod:`.engram_parallel`, DeepSeek-V4.1's Engram) -> AutoTP
 (``deepspeed.init_inference``, tp > 1; or the family's own ``tp_plan``, :mod:`.tensor_parallel`, where AutoTP
 mis-shards it) on the meta model, so each rank allocates only its shards ->
-fill from safetensors slices (:mod:`.loading`). A world of one, and every DP-only rank, loads the whole model
-through the same loader (:mod:`.single`).
+fill from safetensors slices (:mod:`.loading`). A world of one, and every DP-only rank of a family without
+row-parallel tables, loads the whole model through the same loader (:mod:`.single`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.engram_parallel import apply_engram_row_parallel
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.parallel.single import build_single_model
 from ds_capture.parallel.tensor_parallel import apply_tensor_parallel
@@ -75,7 +77,7 @@ def build_deepspeed_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: 
                           attn_implementation: str | None, ds_config: Mapping[str, Any] | None,
                           expert_storage: str = "dequantized") -> nn.Module:
     """This rank's shard of the frozen target: EP over ``groups.ep_group``, AutoTP over ``groups.tp_group``."""
-    if plan.tp_size == 1 and plan.ep_size == 1:
+    if plan.tp_size == 1 and plan.ep_size == 1 and not target.family.row_parallel_tables:
         # Pure data parallelism replicates the model: every rank loads it whole, as one process would.
         return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
                                   expert_storage=expert_storage)
@@ -94,6 +96,9 @@ def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: to
 
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model = apply_expert_parallel(model, family, ep_group=groups.ep_group, ep_size=plan.ep_size, ep_rank=plan.ep_rank)
+    # Over WORLD, DP ranks included: every rank forwards every step (padding batches too), so all enter its lookups.
+    model = apply_engram_row_parallel(model, family, group=dist.group.WORLD, group_size=plan.world_size,
+                                      group_rank=plan.rank)
     if plan.tp_size > 1 and family.tp_plan:  # AutoTP mis-shards this family: our own explicit plan
         model = apply_tensor_parallel(model, family, tp_group=groups.tp_group, tp_size=plan.tp_size,
                                       tp_rank=plan.tp_rank)

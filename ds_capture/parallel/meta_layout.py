@@ -1,9 +1,11 @@
 """The engines' parallel layouts applied to a real-size model on ``meta``, for any rank, without a process group.
 
 In:  a :class:`~ds_capture.target.families.TargetInfo` (only ``config.json`` is read), the compute dtype and the
-     degrees (``tp_size``, ``ep_size``), or the FSDP2 world size.
+     degrees (``tp_size``, ``ep_size``, and the ``world_size`` the family's row-parallel tables split over), or the
+     FSDP2 world size.
 Out: :func:`build_layout_on_meta` -> the meta model exactly as the DeepSpeed engine shapes it on one rank
-     (expert parallelism by :func:`~ds_capture.parallel.expert_parallel.apply_expert_parallel`, then DeepSpeed
+     (expert parallelism by :func:`~ds_capture.parallel.expert_parallel.apply_expert_parallel`, the row-parallel
+     tables by :func:`~ds_capture.parallel.engram_parallel.apply_engram_row_parallel`, then DeepSpeed
      AutoTP's own module replacement), and :func:`tensor_partitions` -> for every parameter and buffer, how it
      is split over the TP ranks (read from the AutoTP layers' published partition metadata, the same metadata
      the loader slices the checkpoint by); :func:`fsdp2_local_rows` is the FSDP2 engine's dim-0 chunk rule.
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.engram_parallel import apply_engram_row_parallel
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.loading import build_meta_model, record_tensor_layout, restore_tensor_layout
@@ -85,16 +88,20 @@ def apply_autotp_on_meta(model: nn.Module, *, tp_size: int, dtype: torch.dtype, 
 
 
 def build_layout_on_meta(target: TargetInfo, *, dtype: torch.dtype, tp_size: int, ep_size: int,
-                         tp_grain_size: int, attn_implementation: str | None = None) -> nn.Module:
-    """The meta model shaped as the DeepSpeed engine shapes one rank: EP (experts of EP rank 0), then AutoTP.
+                         tp_grain_size: int, attn_implementation: str | None = None,
+                         world_size: int = 1) -> nn.Module:
+    """The meta model shaped as the DeepSpeed engine shapes one rank: EP (experts of EP rank 0), the family's
+    row-parallel tables split over ``world_size`` ranks (rank 0's rows), then AutoTP.
 
-    Every EP rank holds the same number of experts (``ep_size`` must divide it), so EP rank 0 stands for all.
+    Every EP rank holds the same number of experts (``ep_size`` must divide it), so EP rank 0 stands for all; every
+    rank holds ``ceil(rows / world_size)`` rows of a row-parallel table (the last ones padded), so rank 0 does too.
     """
     family = target.family
     if tp_size > 1 and not family.supports_tp:
         raise CaptureError(f"distributed.tp_size ({tp_size}): {family.tp_refusal} Set distributed.tp_size to 1.")
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     model = apply_expert_parallel(model, family, ep_group=None, ep_size=ep_size, ep_rank=0)
+    model = apply_engram_row_parallel(model, family, group=None, group_size=world_size, group_rank=0)
     if tp_size > 1 and family.tp_plan:  # AutoTP mis-shards this family: the engine applies our own plan
         from ds_capture.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -144,7 +144,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     report = PlanReport(
         source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
         seq_length=args.seq_length, layer_ids=layer_ids, budget_bytes=budget, budget_source=budget_source,
-        expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size).total_params, ranks=ranks, activation_largest=largest,
+        expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size, world_size).total_params, ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
     )
     checkpoint = None if target.family.is_nemo else mm.checkpoint_expert_storage(target_quantization(target))

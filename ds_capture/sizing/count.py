@@ -130,30 +130,38 @@ class Sizer:
         self.num_built = 0
 
     # -- the tensor table ----------------------------------------------------------------------------------------
-    def _key(self, engine: str, tp_size: int, ep_size: int) -> tuple:
+    def _tables_world(self, engine: str, world_size: int) -> int:
+        """The ranks the DeepSpeed engine splits the family's row-parallel tables over (1: it has none, or FSDP2,
+        which shards them as any parameter): the only way the world size shapes a rank's tensors."""
+        return world_size if engine == "deepspeed" and self.target.family.row_parallel_tables else 1
+
+    def _key(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> tuple:
         config = self.target.path / "config.json"
         return (str(config), config.stat().st_mtime_ns, self.compute_dtype, self.tp_grain_size,
-                self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size)
+                self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size,
+                self._tables_world(engine, world_size))
 
-    def has_table(self, engine: str, tp_size: int, ep_size: int) -> bool:
-        return self._key(engine, tp_size, ep_size) in _TABLES
+    def has_table(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> bool:
+        return self._key(engine, tp_size, ep_size, world_size) in _TABLES
 
-    def table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
+    def table(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> _Table:
         """The tensor table of one layout; built once per process (a meta model takes about a second)."""
-        key = self._key(engine, tp_size, ep_size)
+        key = self._key(engine, tp_size, ep_size, world_size)
         if key not in _TABLES:
-            _TABLES[key] = self._build_table(engine, tp_size, ep_size)
+            _TABLES[key] = self._build_table(engine, tp_size, ep_size, self._tables_world(engine, world_size))
             self.num_built += 1
         return _TABLES[key]
 
-    def _build_table(self, engine: str, tp_size: int, ep_size: int) -> _Table:
+    def _build_table(self, engine: str, tp_size: int, ep_size: int, tables_world: int) -> _Table:
+        from ds_capture.parallel.engram_parallel import RowParallelTable, row_parallel_tables
         from ds_capture.parallel.expert_parallel import moe_experts_modules
         from ds_capture.parallel.meta_layout import build_layout_on_meta, tensor_partitions
 
         family = self.target.family
         model = build_layout_on_meta(self.target, dtype=TORCH_DTYPES[self.compute_dtype], tp_size=tp_size,
                                      ep_size=ep_size, tp_grain_size=self.tp_grain_size,
-                                     attn_implementation=self.cfg.recipe_args.target_attn_implementation)
+                                     attn_implementation=self.cfg.recipe_args.target_attn_implementation,
+                                     world_size=tables_world)
         partitions = tensor_partitions(model) if tp_size > 1 else {}
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
         tensors = []
@@ -168,9 +176,13 @@ class Sizer:
                 shape=tuple(tensor.shape), is_expert=name.startswith(expert_prefixes), layer=self._layer(name),
                 tp_dim=part.dim if part else None, tp_sizes=part.sizes if part else (),
                 fsdp_sharded=engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0))
-        # The unsharded model's size: every TP split summed back, every expert block times ep_size.
+        # The unsharded model's size: every TP split summed back, every expert block times ep_size, every
+        # row-parallel table whole.
+        whole_rows = {f"{name}.weight": table.num_embeddings for name, table in row_parallel_tables(model, family)
+                      if isinstance(table, RowParallelTable)}
         total = sum(math.prod(sum(part.sizes) if part and d == part.dim else s for d, s in enumerate(p.shape))
                     * (ep_size if name.startswith(expert_prefixes) else 1)
+                    // (p.shape[0] if name in whole_rows else 1) * whole_rows.get(name, 1)
                     for name, p in model.named_parameters() for part in [partitions.get(name)])
         return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total,
                       text_config=family.text_config(model.config),
@@ -225,7 +237,7 @@ class Sizer:
     def ranks(self, layout: Layout, storage: mm.ExpertStorage) -> tuple[list[RankEstimate], mm.Term, list[mm.Term]]:
         args = self.cfg.recipe_args
         table = self.table(layout.engine if layout.world_size > 1 else "deepspeed",
-                           layout.tp_size, layout.ep_size)
+                           layout.tp_size, layout.ep_size, layout.world_size)
         c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
         family, text = self.target.family, table.text_config
@@ -326,7 +338,7 @@ class Sizer:
                      + now.capture_bytes * candidate.micro_batch_size / layout.micro_batch_size)
             if floor > budget:
                 continue
-            if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size)
+            if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size, candidate.world_size)
                     and self.num_built >= max_builds):
                 continue
             try:

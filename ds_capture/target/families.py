@@ -117,6 +117,11 @@ class Family:
     tokenizer (``ds-capture plan`` on a release's config.json alone; DeepSeek-V4.1's Engram needs one)."""
     buffer_modules: tuple[str, ...] = ()
     """Modules of a NeMo model whose non-persistent buffers their own ``init_weights()`` recomputes after load."""
+    row_parallel_tables: tuple[str, ...] = ()
+    """Decoder-layer-relative paths of lookup tables (``embed(ids [...]) -> [..., dim]``, weight ``[rows, dim]``)
+    that a world > 1 splits by row owner over all ranks (:mod:`ds_capture.parallel.engram_parallel`): tables too
+    large for every rank to hold (DeepSeek-V4.1's Engram, ~183 GiB a layer at release size). Layers without one
+    are skipped."""
     needs_fla: bool = False
     """The NeMo class imports flash-linear-attention's kernels (CPU torch providers where absent: :mod:`.nemo_fla`)."""
     feature_module: str | None = None
@@ -402,6 +407,7 @@ FAMILIES: dict[str, Family] = {
             nemo_class=f"{_NEMO}.deepseek_v41.model:DeepseekV41ForCausalLM",
             nemo_config_class=f"{_NEMO}.deepseek_v41.config:DeepseekV41Config",
             release_placement="ds_capture.target.nemo_v41:v41_placer", buffer_modules=("model.engram_hash",),
+            row_parallel_tables=("engram.embed",),
             nemo_config_overrides={"vision_config": {"num_hidden_layers": 0}},
             planning_tokenizer="ds_capture.target.nemo_v41:planning_tokenizer",
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",

@@ -127,6 +127,16 @@ def expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
     return rows
 
 
+def table_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Row-parallel table parameter name -> ``(first row, count)`` of the checkpoint table this rank holds (the
+    tables' ``owned_rows``: :mod:`ds_capture.parallel.engram_parallel`); absent: all of them."""
+    rows = {}
+    for name, module in model.named_modules():
+        for leaf, owned in getattr(module, "owned_rows", {}).items():
+            rows[f"{name}.{leaf}"] = owned
+    return rows
+
+
 @torch.no_grad()
 def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) -> Any:
     """Materialise ``model`` on ``device`` and fill it from the release checkpoint (see the module docstring),
@@ -137,7 +147,11 @@ def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) ->
     model.to_empty(device=device)
     restore_tensor_layout(model, layout)
     state = model.state_dict(keep_vars=True)
-    stats = fill_from_release(target, state, expert_rows(model), dtype=model_dtype(model))
+    tables = table_rows(model)
+    for name, (_, count) in tables.items():  # a table's last owner holds padding rows past the table: zero
+        state[name][count:].zero_()
+        state[name] = state[name][:count]
+    stats = fill_from_release(target, state, {**expert_rows(model), **tables}, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats
 
@@ -148,7 +162,8 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: 
     """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor).
 
     ``rows[name] = (start, count)``: the local tensor holds rows ``[start, start + count)`` of dim 0 of the
-    native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk); ``dtype`` the model dtype (quantized
+    native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk, a row-parallel table's rows: only
+    those rows are read where the release tensor is the native one, untransposed); ``dtype`` the model dtype (quantized
     tensors are rounded to it first, as NeMo's adapters store them); a release tensor whose expert or
     rows fall outside is never read. Every local tensor must be covered exactly; the keys the family does not
     read (vision tower, multi-token prediction, layers past the model's depth) are never opened."""
@@ -183,16 +198,20 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: 
     written: dict[str, int] = {}
     stats = LoadStats()
     for key, placement in reads:
+        start, count = rows.get(placement.native, (0, None))
+        # The release tensor's rows are the native ones: read only this rank's (a 183 GiB Engram table's 1/world).
+        sliced = (count is not None and placement.expert is None and not placement.index
+                  and not placement.transpose and placement.narrow is None)
         # Dequantized in fp32 and rounded to the model dtype, as NeMo's adapters store it (then cast on copy).
-        tensor, num_bytes = read_release_tensor(key, index, quantized, dtype)
+        tensor, num_bytes = read_release_tensor(key, index, quantized, dtype,
+                                                rows=(start, count) if sliced else None)
         stats.bytes_read += num_bytes
         stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
         tensor = transform(placement, tensor)
         destination = destinations[placement.native]
-        start, count = rows.get(placement.native, (0, None))
         if placement.expert is not None:
             destination = destination[placement.expert - start]
-        elif count is not None:  # this rank's rows of a whole tensor
+        elif count is not None and not sliced:  # this rank's rows of a whole tensor
             tensor = tensor[start:start + count]
         destination = destination[placement.index] if placement.index else destination
         if tuple(tensor.shape) != tuple(destination.shape):

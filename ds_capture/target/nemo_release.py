@@ -4,8 +4,8 @@ In:  a release checkpoint's logical key (``X.weight`` stands for its stored valu
      family's mapping (``nemo_v41.v41_placement``) and, to read, the checkpoint's key -> file index.
 Out: :class:`Placement` -> the native (NeMo state-dict) name, the expert slot and the region the tensor fills;
      :func:`transform` / :func:`place` -> the release tensor narrowed / transposed and copied into its region;
-     :func:`read_release_tensor` -> one release tensor read whole (dequantized in fp32, then cast to the model
-     dtype, as NeMo's adapters do; an unquantized tensor as stored).
+     :func:`read_release_tensor` -> one release tensor read whole or only some rows of dim 0 (dequantized in fp32,
+     then cast to the model dtype, as NeMo's adapters do; an unquantized tensor as stored).
 
 NeMo's state-dict adapters convert a whole release state dict at once (``from_hf``); a sliced loader converts
 one tensor at a time with these pieces and never holds the whole dict.
@@ -63,20 +63,26 @@ def place(destination: torch.Tensor, placement: Placement, tensor: torch.Tensor,
 
 
 def read_release_tensor(key: str, index: dict[str, Path], quantized: dict[str, QuantTensor],
-                        dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """One logical release tensor read whole, and the bytes read.
+                        dtype: torch.dtype, *, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+    """One logical release tensor (or its rows ``[start, start + count)`` of dim 0), and the bytes read.
 
     In:  ``key`` a logical key (:func:`.quant.logical_keys`), ``index`` logical key -> file, ``quantized`` the
-         :func:`.quant.plan_quantized` entries, ``dtype`` the model dtype.
+         :func:`.quant.plan_quantized` entries, ``dtype`` the model dtype, ``rows`` ``(start, count)`` or None (all).
     Out: a quantized weight dequantized in fp32 and cast to ``dtype`` (NeMo's ``dequantize_checkpoint_weight``
          computes the same fp32 products and stores them in the adapter's dtype); any other tensor as stored.
+         Only the stored bytes (and scale blocks) of ``rows`` are read: each element is dequantized alone, so
+         the rows equal the whole tensor's rows bit for bit.
     """
     if key in quantized:
         qt = quantized[key]
-        tensor, num_bytes = quant.read_dequantized(qt, quant.region_of(qt, None, 0, 0))
+        region = quant.region_of(qt, None, 0, 0) if rows is None else quant.region_of(qt, 0, *rows)
+        tensor, num_bytes = quant.read_dequantized(qt, region)
         return tensor.to(dtype), num_bytes
     from safetensors import safe_open
 
     with safe_open(index[key], framework="pt") as handle:
-        tensor = handle.get_tensor(key)
+        if rows is None:
+            tensor = handle.get_tensor(key)
+        else:
+            tensor = handle.get_slice(key)[rows[0]:rows[0] + rows[1]]
     return tensor, tensor.numel() * tensor.element_size()

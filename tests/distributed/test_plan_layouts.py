@@ -48,7 +48,7 @@ def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
     sizers = {path: _sizer(Path(path)) for path in {case["target"] for case in cases}}
     for results in per_rank:
         for case in results:
-            table = sizers[case["target"]].table(case["engine"], case["tp_size"], case["ep_size"])
+            table = sizers[case["target"]].table(case["engine"], case["tp_size"], case["ep_size"], 2)
             if case["engine"] == "fsdp2":
                 planned = {e.name: [fsdp2_local_numel(e, 2, case["rank"]), e.itemsize] for e in table.tensors}
             else:
@@ -57,5 +57,5 @@ def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
             assert planned == case["tensors"], (label, {k: (planned.get(k), v) for k, v in case["tensors"].items()
                                                         if planned.get(k) != v})
             # The layout really shards: every case holds less than the whole model on this rank.
-            whole = sizers[case["target"]].table("deepspeed", 1, 1)
+            whole = sizers[case["target"]].table("deepspeed", 1, 1, 1)
             assert sum(n for n, _ in planned.values()) < sum(e.numel() for e in whole.tensors), label

@@ -120,7 +120,7 @@ def test_fsdp2_chunks_tile_the_model_and_gather_one_root_and_two_layers(tiny_tar
     target = tiny_target("qwen3_moe", num_hidden_layers=3)
     sizer = Sizer(_cfg(target, engine="fsdp2", seq_length=64, micro_batch_size=2), read_target_info(target), [1, 2],
                   "fp32", tp_grain_size=1)
-    table = sizer.table("fsdp2", 1, 1)
+    table = sizer.table("fsdp2", 1, 1, 3)
     for entry in table.tensors:
         assert sum(fsdp2_local_numel(entry, 3, rank) for rank in range(3)) == (
             entry.numel() * (3 if not entry.fsdp_sharded else 1)), entry.name
