@@ -24,7 +24,6 @@ read loop every engine shares (the FSDP2 engine passes its DTensor chunks).
 from __future__ import annotations
 
 import ctypes
-import json
 import re
 import sys
 from collections import defaultdict
