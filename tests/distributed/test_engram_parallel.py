@@ -28,7 +28,7 @@ LAYER_IDS = [0, 1, 2, 5]
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_row_parallel_table_equals_whole_table_bitwise(tmp_path, nproc):
     run = run_launcher("torchrun", nproc, [TABLE_WORKER, str(tmp_path)], None, 150)
     assert run.returncode == 0, run.stdout[-4000:]
@@ -67,7 +67,8 @@ def single_cache(release, tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout, ep_size", [("dp", 1), ("ep", 2)])
+# ep: slow (tests/distributed/test_nemo_family_layouts.py's V4.1 EP cell in CI runs the split tables through the CLI).
+@pytest.mark.parametrize("layout, ep_size", [("dp", 1), pytest.param("ep", 2, marks=pytest.mark.slow)])
 def test_v41_capture_with_split_engram_equals_single_process_bitwise(release, single_cache, tmp_path, layout,
                                                                     ep_size):
     from safetensors.torch import load_file

@@ -22,7 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import run_launcher  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# slow: the CLI-level EP cells of tests/distributed/test_nemo_family_layouts.py (bytes equal to one process, fp32
+# and bf16) run this layer in CI; its own cases (every GroupedExperts option) run with --full.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = str(Path(__file__).resolve().parent / "_grouped_experts_worker.py")
 CASES = [
     {"name": f"{dtype}-{variant}", "dtype": dtype, **options}

@@ -103,7 +103,7 @@ def read_nemo(release: Path, model) -> dict[str, torch.Tensor]:
     return fresh().from_hf({key: stored[key] for key in wanted})
 
 
-@pytest.mark.parametrize("quantized", [True, False], ids=["mxfp4", "bf16"])
+@pytest.mark.parametrize("quantized", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["mxfp4", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_tensor_at_a_time_equals_nemo_from_hf_bitwise(releases, quantized, dtype):
     release = releases[quantized]
