@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.target.families import Family, get_submodule
 
 
@@ -60,16 +60,12 @@ class RowParallelTable(nn.Module):
         owner = torch.div(flat, self.rows_per_rank, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=self.group_size)
-        recv_counts = torch.empty_like(send_counts)
         # Every rank of the group must enter these all-to-alls, also with no ids for some peer (or none at all).
-        dist.all_to_all_single(recv_counts, send_counts, group=self.process_group)
+        recv_counts = exchange_counts(send_counts, self.process_group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_ids = flat.new_empty(sum(recv_splits))  # [M]
-        dist.all_to_all_single(recv_ids, flat[order].contiguous(), recv_splits, send_splits,
-                               group=self.process_group)
+        recv_ids = all_to_all_rows(flat[order], send_splits, recv_splits, self.process_group)  # [M]
         rows = F.embedding(recv_ids - self.row_start, self.weight)  # [M, D]: only rows this rank owns
-        back = self.weight.new_empty(flat.numel(), self.embedding_dim)  # [N, D], in owner order
-        dist.all_to_all_single(back, rows, send_splits, recv_splits, group=self.process_group)
+        back = all_to_all_rows(rows, recv_splits, send_splits, self.process_group)  # [N, D], in owner order
         out = torch.empty_like(back)
         out[order] = back
         return out.view(*shape, self.embedding_dim)

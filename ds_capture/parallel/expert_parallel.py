@@ -32,6 +32,7 @@ from torch import nn
 
 from ds_capture.errors import CaptureError
 from ds_capture.target.families import Family, get_submodule
+from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
 from ds_capture.target.loading import OwnedSlice
 
@@ -92,17 +93,13 @@ class ExpertParallelExperts(nn.Module):
         pair_dest = torch.div(pair_expert, self.num_local_experts, rounding_mode="floor")
         order = torch.argsort(pair_dest, stable=True)
         send_counts = torch.bincount(pair_dest, minlength=self.ep_size)
-        recv_counts = torch.empty_like(send_counts)
         # Every EP rank must enter these all-to-alls, also with zero pairs for some peer.
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        recv_counts = exchange_counts(send_counts, self.ep_group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
 
-        send_hidden = hidden_states[order // top_k].contiguous()  # [P, H]
-        send_local_id = (pair_expert[order] - pair_dest[order] * self.num_local_experts).contiguous()
-        recv_hidden = hidden_states.new_empty(sum(recv_splits), hidden_dim)  # [N, H]
-        recv_local_id = send_local_id.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_hidden, send_hidden, recv_splits, send_splits, group=self.ep_group)
-        dist.all_to_all_single(recv_local_id, send_local_id, recv_splits, send_splits, group=self.ep_group)
+        send_local_id = pair_expert[order] - pair_dest[order] * self.num_local_experts
+        recv_hidden = all_to_all_rows(hidden_states[order // top_k], send_splits, recv_splits, self.ep_group)  # [N, H]
+        recv_local_id = all_to_all_rows(send_local_id, send_splits, recv_splits, self.ep_group)
 
         # The model's own expert math, one expert per row and weight 1 (in the hidden dtype, so x * 1
         # is exact): the unweighted expert output. Weighting happens at the origin, in the router's dtype.
@@ -113,8 +110,7 @@ class ExpertParallelExperts(nn.Module):
             expert_out = recv_hidden
 
         # Return trip: the outputs go back along the reversed splits, then back into pair order.
-        back = hidden_states.new_empty(num_tokens * top_k, hidden_dim)
-        dist.all_to_all_single(back, expert_out.contiguous(), send_splits, recv_splits, group=self.ep_group)
+        back = all_to_all_rows(expert_out, recv_splits, send_splits, self.ep_group)  # [T*K, H]
         pair_out = torch.empty_like(back)
         pair_out[order] = back
         combine = _COMBINES[self.config._experts_implementation]

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
 from ds_capture.target.nemo_models import is_grouped_experts
 
@@ -80,16 +81,11 @@ class ExpertParallelGroupedExperts(nn.Module):
         -> ``expert_fn(rows, w, local_idx)`` computed on the owners, one block per source rank and expert
         (the rows that source's own single-process loop multiplies, in its order), returned in send order."""
         hidden_dim = send_x.shape[-1]
-        recv_counts = torch.empty_like(send_counts)
         # Every EP rank must enter these all-to-alls, also with zero pairs for some peer.
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        recv_counts = exchange_counts(send_counts, self.ep_group)
         send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        recv_x = send_x.new_empty(sum(recv_splits), hidden_dim)  # [N, D]
-        dist.all_to_all_single(recv_x, send_x.contiguous(), recv_splits, send_splits, group=self.ep_group)
-        recv_w = None
-        if send_w is not None:
-            recv_w = send_w.new_empty(sum(recv_splits))
-            dist.all_to_all_single(recv_w, send_w.contiguous(), recv_splits, send_splits, group=self.ep_group)
+        recv_x = all_to_all_rows(send_x, send_splits, recv_splits, self.ep_group)  # [N, D]
+        recv_w = None if send_w is None else all_to_all_rows(send_w, send_splits, recv_splits, self.ep_group)
 
         out = recv_x.new_empty(recv_x.shape[0], hidden_dim, dtype=out_dtype)
         start = 0
@@ -99,9 +95,7 @@ class ExpertParallelGroupedExperts(nn.Module):
                 w = None if recv_w is None else recv_w[start : start + count, None]
                 out[start : start + count] = expert_fn(rows, w, block % self.num_local_experts)
             start += count
-        back = out.new_empty(send_x.shape[0], hidden_dim)
-        dist.all_to_all_single(back, out, send_splits, recv_splits, group=self.ep_group)
-        return back
+        return all_to_all_rows(out, recv_splits, send_splits, self.ep_group)
 
     def _send_counts(self, pair_expert: torch.Tensor) -> torch.Tensor:
         """``[ep, L]`` pairs per destination rank and local expert (pairs sorted by expert)."""
