@@ -161,6 +161,6 @@ def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
                 rows[name] = (start, length)
         else:
             destinations[name] = tensor
-    stats = fill_from_release(target, destinations, rows, dtype=model_dtype(model))
+    stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

@@ -29,6 +29,11 @@ _OTHER_OK = {"I64", "I32", "BOOL"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 
 
+def tokenizer_files(target_dir: Path) -> list[str]:
+    """The tokenizer files (``_TOKENIZER_FILES``) that ``target_dir`` holds."""
+    return [name for name in _TOKENIZER_FILES if (Path(target_dir) / name).is_file()]
+
+
 def checkpoint_files(target_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint (the index's files, or model.safetensors)."""
     index = target_dir / "model.safetensors.index.json"
@@ -119,7 +124,7 @@ def load_tokenizer(target: TargetInfo, *, trust_remote_code: bool):
     has no vocabulary (transformers then builds an empty one that renders every row to nothing)."""
     from transformers import AutoTokenizer
 
-    present = [name for name in _TOKENIZER_FILES if (target.path / name).is_file()]
+    present = tokenizer_files(target.path)
     present += [p.name for p in target.path.glob("*.tiktoken")]
     advice = ("Copy the tokenizer files of the released model (tokenizer.json, tokenizer_config.json, "
               "special_tokens_map.json) into the target directory.")

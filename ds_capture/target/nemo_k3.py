@@ -27,7 +27,7 @@ hold the two bitwise equal):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ds_capture.errors import CaptureError
@@ -147,7 +147,6 @@ def _layer_placement(layer: int, rest: str, layout: K3Layout) -> Placement:
 def k3_placer(config: Any, raw_config: dict, native_keys) -> Callable[[str], Placement | None]:
     """The family's ``release_placement``: release key -> :class:`Placement` for the model built from ``config``
     (NeMo's config; its text ``num_hidden_layers`` may be reduced) with state-dict names ``native_keys``."""
-    text = dict(raw_config["text_config"] if raw_config.get("model_type") == "kimi_k3" else raw_config)
-    text["num_hidden_layers"] = getattr(config, "text_config", config).num_hidden_layers
-    layout = read_k3_layout(text, native_keys)
+    layout = replace(read_k3_layout(raw_config, native_keys),
+                     num_hidden_layers=getattr(config, "text_config", config).num_hidden_layers)
     return lambda key: k3_placement(key, layout)

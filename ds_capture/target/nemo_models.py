@@ -26,13 +26,13 @@ import importlib
 import json
 import types
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.target.inputs import tokenizer_files
 from ds_capture.target.nemo_config import read_nemo_config, resolve
 
 def cpu_backend() -> Any:
@@ -95,16 +95,12 @@ def build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
             setattr(text, field, dtype_name)
     model_class = resolve(family.nemo_class)
     kwargs = {}
-    if family.planning_tokenizer and not _has_tokenizer(target.path):
+    if family.planning_tokenizer and not tokenizer_files(target.path):
         kwargs["tokenizer"] = resolve(family.planning_tokenizer)(config)
     with _without_process_group(), torch.device("meta"):
         model = model_class(config, backend=cpu_backend(), **kwargs)
     cast_model_to_dtype(model, dtype)
     return model.eval().requires_grad_(False)
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -151,15 +147,16 @@ def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) ->
     for name, (_, count) in tables.items():  # a table's last owner holds padding rows past the table: zero
         state[name][count:].zero_()
         state[name] = state[name][:count]
-    stats = fill_from_release(target, state, {**expert_rows(model), **tables}, dtype=model_dtype(model))
+    stats = fill_from_release(target, model.config, state, {**expert_rows(model), **tables}, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats
 
 
 @torch.no_grad()
-def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]], *,
-                      dtype: torch.dtype) -> Any:
-    """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor).
+def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Tensor],
+                      rows: dict[str, tuple[int, int]], *, dtype: torch.dtype) -> Any:
+    """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor) of the model
+    built from NeMo's ``config`` (the model's own ``config``: a reduced depth already applied).
 
     ``rows[name] = (start, count)``: the local tensor holds rows ``[start, start + count)`` of dim 0 of the
     native tensor (an expert-parallel rank's experts, an FSDP2 rank's chunk, a row-parallel table's rows: only
@@ -172,9 +169,6 @@ def fill_from_release(target: Any, destinations: dict[str, torch.Tensor], rows: 
     from ds_capture.target.nemo_release import read_release_tensor, transform
 
     family = target.family
-    config = read_nemo_config(family, target.path)
-    if target.checkpoint_num_hidden_layers is not None:  # a reduced-depth build reads the first layers only
-        getattr(config, "text_config", config).num_hidden_layers = target.num_hidden_layers
     raw = json.loads((target.path / "config.json").read_text())
     place_key: Callable = resolve(family.release_placement)(config, raw, destinations.keys())
     files = _checkpoint_index(target.path)
