@@ -250,8 +250,8 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     options = cfg.capture
     if target.family.full_width and options.pad_to_multiple_of:
         _LOG.info("capture.pad_to_multiple_of %d does not apply to model_type %r: every row is computed at "
-                     "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
-                     target.family.width_reason)
+                  "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
+                  target.family.width_reason)
         options = replace(options, pad_to_multiple_of=0)
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(

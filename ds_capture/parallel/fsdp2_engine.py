@@ -119,7 +119,6 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     ``inv_freq``) are computed by the model's own ``_init_weights``. The reads are
     :func:`~ds_capture.target.loading.fill_from_checkpoint`'s, as for the DeepSpeed engine.
     """
-    from torch.distributed.tensor import DTensor
 
     layout = record_tensor_layout(model)
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
@@ -131,36 +130,35 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     index, key_map, state = checkpoint_sources(model, target)
     # This rank's dim-0 chunk of every DTensor parameter (a fused expert tensor's rows are whole experts,
     # so only those experts' per-expert checkpoint tensors are opened); buffers and plain tensors whole.
-    destinations: dict[str, torch.Tensor] = {}
-    owned: dict[str, OwnedSlice] = {}
-    for name in key_map.sources:
-        tensor = state[name]
-        if isinstance(tensor, DTensor):
-            start, length, rows = _local_rows(tensor)
-            destinations[name] = tensor.to_local()
-            if length < rows:
-                owned[name] = OwnedSlice(dim=0, start=start, length=length, experts=name in key_map.converter_of)
-        else:
-            destinations[name] = tensor
+    destinations, rows = _local_chunks({name: state[name] for name in key_map.sources})
+    owned = {name: OwnedSlice(dim=0, start=start, length=length, experts=name in key_map.converter_of)
+             for name, (start, length) in rows.items()}
     return fill_from_checkpoint(index, key_map, destinations, owned)
+
+
+def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """Name -> this rank's local tensor (a DTensor's local chunk, anything else as is), and ``(first row, rows)``
+    of dim 0 for each DTensor this rank holds only part of."""
+    from torch.distributed.tensor import DTensor
+
+    local: dict[str, torch.Tensor] = {}
+    rows: dict[str, tuple[int, int]] = {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            start, length, full = _local_rows(tensor)
+            local[name] = tensor.to_local()
+            if length < full:
+                rows[name] = (start, length)
+        else:
+            local[name] = tensor
+    return local, rows
 
 
 def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
     """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
-    from torch.distributed.tensor import DTensor
-
     from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
-    destinations: dict[str, torch.Tensor] = {}
-    rows: dict[str, tuple[int, int]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if isinstance(tensor, DTensor):
-            start, length, full = _local_rows(tensor)
-            destinations[name] = tensor.to_local()
-            if length < full:
-                rows[name] = (start, length)
-        else:
-            destinations[name] = tensor
+    destinations, rows = _local_chunks(model.state_dict(keep_vars=True))
     stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

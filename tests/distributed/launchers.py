@@ -216,6 +216,13 @@ def run_launcher(kind: str, nproc: int, argv: list[str], env: Mapping[str, str] 
     return retry_on_addr_in_use(start)
 
 
+
+def run_cli(nproc: int, recipe: Path, env: Mapping[str, str] | None = None,
+            timeout_s: int = 170) -> subprocess.CompletedProcess:
+    """``ds-capture run -c recipe --no-progress`` as one process (``nproc`` 1) or on ``nproc`` torchrun ranks."""
+    return run_launcher("single" if nproc == 1 else "torchrun", nproc,
+                        ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], env, timeout_s)
+
 def _run_once(kind: str, nproc: int, argv: list[str], env: Mapping[str, str], timeout_s: int,
               cwd: str | os.PathLike | None, port: int, num_ports: int) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="ds_capture_launch_") as tmp:

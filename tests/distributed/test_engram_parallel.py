@@ -20,7 +20,7 @@ import yaml
 pytest.importorskip("nemo_automodel")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import run_launcher  # noqa: E402
+from launchers import run_cli, run_launcher  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 TABLE_WORKER = str(Path(__file__).resolve().parent / "_engram_table_worker.py")
@@ -53,9 +53,7 @@ def _capture(release: Path, out: Path, nproc: int, ep_size: int):
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype="fp32", target_layer_ids=LAYER_IDS)}))
-    kind = "single" if nproc == 1 else "torchrun"
-    return run_launcher(kind, nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"],
-                        {"TORCHDYNAMO_DISABLE": "1"}, 300)
+    return run_cli(nproc, recipe, {"TORCHDYNAMO_DISABLE": "1"}, 300)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import REPO_ROOT, run_launcher  # noqa: E402
+from launchers import REPO_ROOT, run_cli  # noqa: E402
 from support import max_rel_diff, record  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
@@ -121,8 +121,7 @@ def _recipe(target: Path, out: Path, tp_size: int, ep_size: int, engine: str = "
 
 
 def _run(nproc: int, recipe: Path):
-    kind = "single" if nproc == 1 else "torchrun"
-    return run_launcher(kind, nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], None, 170)
+    return run_cli(nproc, recipe)
 
 
 @pytest.fixture(scope="module")

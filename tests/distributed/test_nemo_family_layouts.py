@@ -27,7 +27,7 @@ import yaml
 pytest.importorskip("nemo_automodel")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import run_launcher  # noqa: E402
+from launchers import run_cli  # noqa: E402
 from support import max_rel_diff, record, safetensors_digests  # noqa: E402
 
 from ds_capture.target.families import FAMILIES  # noqa: E402
@@ -68,8 +68,7 @@ def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_s
 
 
 def _run(nproc: int, recipe: Path):
-    kind = "single" if nproc == 1 else "torchrun"
-    return run_launcher(kind, nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], None, 170)
+    return run_cli(nproc, recipe)
 
 
 @pytest.fixture(scope="module")
