@@ -100,7 +100,9 @@ def main(argv: list[str]) -> int:
         if "--full" in rest:
             rest = [arg for arg in rest if arg != "--full"]
             env["DS_CAPTURE_FULL"] = "1"
-        return subprocess.run([str(python), "-m", "pytest", "-q", *rest], cwd=ROOT, env=env).returncode
+        # The slowest tests are listed at the end, so a CI log shows where the suite's time goes.
+        return subprocess.run([str(python), "-m", "pytest", "-q", "--durations=20", *rest], cwd=ROOT,
+                              env=env).returncode
     config = rest[0] if rest else "configs/demo.yaml"
     cli = [str(python), "-m", "ds_capture"]
     run = subprocess.run(cli + ["run", "-c", config], cwd=ROOT, env=env)
