@@ -1,5 +1,5 @@
 """The EAGLE-3 cache against NeMo AutoModel 0.7.0's own producer (recorded fixtures, no NeMo needed), and
-NeMo's own reader and training checks on our cache (only where the NeMo side environment exists).
+NeMo's own reader and training checks on our cache (where nemo_automodel is installed: the nemo extra).
 
 ``tests/fixtures/eagle3/`` holds caches written by NeMo's ``precompute_eagle3`` on CPU (its loader swapped
 for transformers', as NeMo's own CPU test does; regenerate with tools/nemo_oracle/make_eagle3_fixtures.py).
@@ -10,9 +10,11 @@ Each case runs our producer, single process, with NeMo's recorded argv mapped on
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,13 @@ from tests.eagle3_support import FIXTURES, assert_matches_nemo, build_fixture_ta
 
 SPEC = read_spec()
 CASES = sorted(SPEC["cases"])
-NEMO_PYTHON = Path(os.environ.get("DS_CAPTURE_NEMO_PYTHON", "/work/nemo_venv/bin/python"))
+# NeMo's side of the checks runs in a process of its own (its import is slow, and its recipe modules rewrite
+# transformers' auto mappings process-wide): this interpreter when the nemo extra is installed here (dev.py's
+# test venv), else the one DS_CAPTURE_NEMO_PYTHON names.
+NEMO_PYTHON = Path(os.environ.get("DS_CAPTURE_NEMO_PYTHON") or
+                   (sys.executable if importlib.util.find_spec("nemo_automodel") else "/nonexistent"))
+NO_NEMO = ("nemo_automodel (the nemo extra) is not installed here and DS_CAPTURE_NEMO_PYTHON names no "
+           "interpreter that has it")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -56,7 +64,7 @@ def test_single_process_equals_nemo(case, targets, tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not NEMO_PYTHON.is_file(), reason=f"no NeMo side environment at {NEMO_PYTHON}")
+@pytest.mark.skipif(not NEMO_PYTHON.is_file(), reason=NO_NEMO)
 def test_nemo_reader_and_trainer_accept_our_cache(targets, tmp_path):
     """NeMo's read_manifest, trainer manifest check, CachedEagle3Dataset (every sample) and one
     Eagle3TrainerModule forward/backward, on our full and our top-k cache (one NeMo process: its import is slow)."""
@@ -80,7 +88,7 @@ def test_nemo_reader_and_trainer_accept_our_cache(targets, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not NEMO_PYTHON.is_file(), reason=f"no NeMo side environment at {NEMO_PYTHON}")
+@pytest.mark.skipif(not NEMO_PYTHON.is_file(), reason=NO_NEMO)
 def test_nemo_resume_accepts_our_directory(targets, tmp_path):
     """NeMo's own --resume, same settings: dict-equal manifest, nothing rewritten but identical bytes;
     another draft vocabulary: refused, naming the fields."""

@@ -56,8 +56,10 @@ def test_v41_engram_layers_capture_after_their_own_update(facts):
 def test_v41_rows_must_be_computed_at_nemo_width(facts):
     for run in facts["v41.width_12_vs_8_first_8_tokens"]:
         assert run["last_max_diff"] > 1e-3
+    # A row inside a batch vs the same row alone at the same width: only the kernels' batch-size-dependent
+    # rounding (0.0 on one box, 3.7e-9 on an AVX-512 EPYC), three orders below the width effect.
     for run in facts["v41.batch_row_vs_row_alone_same_width"]:
-        assert run["max_diff"] == 0.0 and run["last_max_diff"] == 0.0
+        assert run["max_diff"] <= 1e-6 and run["last_max_diff"] <= 1e-6
 
 
 def test_meta_builds_need_engram_hash_init_weights_and_nothing_else(facts):
