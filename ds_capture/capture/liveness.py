@@ -10,8 +10,10 @@ In: this rank's :class:`~ds_capture.parallel.dist.DistEnv` (rank, world, master 
   changed for longer than the limit, or a store that has not answered for that long (its host, rank 0 or
   torchrun's agent, is frozen: every call to it hangs, whatever the client's timeout), is a peer that stopped
   answering. The rank prints once which rank and host stopped answering and that rerunning the same command
-  continues, publishes the verdict (so ranks that do not watch that peer stop too), waits two intervals for
-  them to read it, releases the output lock and exits with ``RERUN_EXIT_CODE``.
+  continues, publishes the verdict (so ranks that do not watch that peer stop too), counts itself as stopping
+  and waits (bounded) until every rank but the one named has counted itself too, releases the output lock and
+  exits with ``RERUN_EXIT_CODE``. The wait matters: a rank that left early would close its sockets (and rank 0
+  the store), and a peer that had not read the verdict yet would report that echo as the failure.
 
 A frozen rank that wakes up after its peers gave up must not publish or write anything. Its last published
 heartbeat is then older than the limit (peers saw it no earlier than it was sent), and its watch thread
@@ -56,6 +58,12 @@ _ACTIVE: "Liveness | None" = None
 def beat_interval(limit_s: float) -> float:
     """Seconds between heartbeats: a tenth of the limit, at most 2 s (stop = limit + ~3 intervals)."""
     return min(2.0, max(0.1, limit_s / 10))
+
+
+def stopping() -> bool:
+    """This process's watchdog is stopping it (its exit code is RERUN_EXIT_CODE): what a peer's sockets or the
+    store closing meanwhile look like is the echo of that stop, not news."""
+    return _ACTIVE is not None and _ACTIVE.giving_up
 
 
 def refuse_if_frozen() -> None:
@@ -225,15 +233,34 @@ class Liveness:
         self.giving_up = True
         print(f"ds-capture: rank {self.rank} stopping: {describe(verdict, self.limit_s)} Rerun the same command to "
               "continue: finished shards are kept, only the rest is recomputed.", file=sys.stderr, flush=True)
-        if publish:
+        if verdict.get("store"):
+            # Nobody can read a store that does not answer: nothing to publish or wait for.
+            time.sleep(2 * self.interval_s + 0.5)
+        else:
             # In a thread of its own: a store call may hang, and this rank must stop anyway.
-            record = json.dumps({**verdict, "reporter": self.rank})
-            setter = threading.Thread(target=self._set_quietly, args=(self._key("verdict"), record), daemon=True)
-            setter.start()
-            setter.join(timeout=1.0)
-        # Every live rank reads the verdict within an interval; the store's host must not leave before that.
-        time.sleep(2 * self.interval_s + 0.5)
+            record = json.dumps({**verdict, "reporter": self.rank}) if publish else None
+            waiter = threading.Thread(target=self._publish_and_wait_for_peers, args=(record,), daemon=True)
+            waiter.start()
+            waiter.join(timeout=self.stop_wait_s() + 1.0)
         self._leave(RERUN_EXIT_CODE)
+
+    def stop_wait_s(self) -> float:
+        """How long a stopping rank waits, at most, for every other live rank to have read the verdict."""
+        return 4 * self.interval_s + 3.0
+
+    def _publish_and_wait_for_peers(self, record: str | None) -> None:
+        """Publish the verdict (``record``, if this rank reports it), count this rank as stopping, and wait until
+        every rank but the one that stopped answering has (or ``stop_wait_s``: several may be frozen)."""
+        deadline = time.monotonic() + self.stop_wait_s()
+        try:
+            if record is not None:
+                self._store.set(self._key("verdict"), record)
+            stopping = self._store.add(self._key("stopping"), 1)
+            while stopping < self.env.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(min(0.1, self.interval_s / 2))
+                stopping = self._store.add(self._key("stopping"), 0)
+        except Exception:  # noqa: BLE001 - a store gone quiet: leave anyway
+            pass
 
     def _exit_frozen(self, now: float) -> None:
         if not self._give_up_lock.acquire(blocking=False):
@@ -261,12 +288,6 @@ class Liveness:
         """Wait for the thread that is stopping this process (forever, under os._exit)."""
         self._exited.wait()
         raise SystemExit(RERUN_EXIT_CODE)
-
-    def _set_quietly(self, key: str, value: str) -> None:
-        try:
-            self._store.set(key, value)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def describe(verdict: dict, limit_s: float) -> str:

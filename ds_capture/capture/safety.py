@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ds_capture.capture.liveness import HELD_LOCKS, refuse_if_frozen
+from ds_capture.capture.liveness import HELD_LOCKS, refuse_if_frozen, stopping
 from ds_capture.errors import CaptureError
 
 _LOG = logging.getLogger("ds_capture")
@@ -215,8 +215,8 @@ class FailFast:
                 failure = json.loads(self.store.get(_ABORT_KEY))
             except Exception:  # noqa: BLE001 - the store's host (rank 0) died: that is a failure too
                 failure = {"rank": 0, "message": "lost contact with rank 0 (the process-group store); it died"}
-            if self._stop.is_set() or failure["rank"] == self.rank:
-                return
+            if self._stop.is_set() or failure["rank"] == self.rank or stopping():
+                return  # (stopping: this rank's watchdog is ending it; a peer leaving meanwhile is that stop's echo)
             print(f"ds-capture: rank {self.rank} stopping because rank {failure['rank']} failed: "
                   f"{failure['message']}", file=sys.stderr, flush=True)
             os._exit(1)  # the main thread may be blocked in a collective that will never complete

@@ -110,26 +110,57 @@ def test_a_neighbour_that_stops_beating_ends_the_rank_after_the_limit(capfd):
 
 
 def test_a_verdict_of_another_rank_ends_a_rank_that_does_not_watch_the_frozen_one(capfd):
-    """World 4: rank 0 watches 1 and 3 (alive); rank 2 froze and rank 1 published the verdict."""
+    """World 4: rank 0 watches 1 and 3 (alive); rank 2 froze and rank 1 published the verdict. Rank 0 (the
+    store's host under most launchers) leaves only once ranks 1 and 3 have counted themselves as stopping."""
     store, exits, stop = FrozenableStore(), Exits(), threading.Event()
     for peer in (1, 3):
         beat_forever(store.inner, f"ds_capture/liveness/1/beat/{peer}", stop)
+    acked = []
+
+    def peers_stop_late() -> None:  # ranks 1 and 3 read the verdict 1.5 s after it is out (a loaded host)
+        time.sleep(1.5)
+        acked.append(time.monotonic())
+        store.inner.add("ds_capture/liveness/1/stopping", 2)
+
     try:
         with Liveness(env(0, 4), limit_s=10, store=store, exit=exits) as live:
             assert live.watched == [1, 3]
             started = time.monotonic()
             store.inner.set("ds_capture/liveness/1/verdict", json.dumps(
                 {"rank": 2, "host": "node-c", "seconds": 30.4, "reporter": 1}))
-            assert exits.called.wait(timeout=10)
-            # Read within an interval (1 s here), then two intervals for the others to read it too.
-            assert exits.calls[0][1] - started < 3 * live.interval_s + 1.5
+            threading.Thread(target=peers_stop_late, daemon=True).start()
+            assert exits.called.wait(timeout=20)
+            # Read within an interval (1 s here); left once the other two live ranks were stopping, not before.
+            assert acked and acked[0] <= exits.calls[0][1] < acked[0] + 1.0
+            assert exits.calls[0][1] - started < live.interval_s + 1.5 + 1.5
     except SystemExit:
         pass
     finally:
         stop.set()
     assert exits.calls[0][0] == RERUN_EXIT_CODE
+    assert int(store.inner.get("ds_capture/liveness/1/stopping")) == 3
     assert ("ds-capture: rank 0 stopping: rank 2 (host node-c) stopped answering: no heartbeat for 30.4 s, over "
             "dist_env.heartbeat_timeout_seconds (10 s).") in capfd.readouterr().err
+
+
+def test_the_wait_for_the_others_to_stop_is_bounded(capfd):
+    """World 3, rank 2 frozen and rank 1 never counting itself as stopping (frozen too, say): rank 0 reports
+    rank 2 and leaves after stop_wait_s, not never."""
+    store, exits, stop = FrozenableStore(), Exits(), threading.Event()
+    store.set("ds_capture/liveness/1/beat/2", "1")
+    beat_forever(store.inner, "ds_capture/liveness/1/beat/1", stop)
+    try:
+        with pytest.raises(SystemExit):
+            with Liveness(env(0, 3), limit_s=LIMIT_S, store=store, exit=exits) as live:
+                started = time.monotonic()
+                assert exits.called.wait(timeout=20)
+                raise RuntimeError("Connection closed by peer")
+    finally:
+        stop.set()
+    waited = exits.calls[0][1] - started
+    assert LIMIT_S + live.stop_wait_s() - 0.5 < waited < LIMIT_S + live.stop_wait_s() + 1.5, waited
+    assert int(store.inner.get("ds_capture/liveness/1/stopping")) == 1
+    assert "ds-capture: rank 0 stopping: rank 2 (host unknown host) stopped answering" in capfd.readouterr().err
 
 
 def test_a_store_that_stops_answering_names_rank_0_and_its_host(capfd):
