@@ -227,12 +227,13 @@ def disable_shm_op() -> None:
 
 def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
                      timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
-                     cli_argv: list[str] | None = None,
+                     cli_argv: list[str] | None = None, script_argv: list[str] | None = None,
                      watch: Callable[[list[int], dict[int, int]], None] | None = None) -> dict:
     """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
     environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
 
-    Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``) after ``install_kill(kill)``;
+    Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``, or the script ``script_argv[0]`` as
+    ``__main__`` with ``sys.argv = script_argv``, as a launcher would run it) after ``install_kill(kill)``;
     its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. ``watch(pids,
     statuses)`` is called every poll (rank -> pid, pid -> wait status of the ranks that ended so far). Returns
     ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
@@ -243,11 +244,13 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
     # The port stays reserved until every rank is reaped (forked ranks also inherit the reservation's flock).
     with reserve_ports() as port:
         return _run_forked_ranks(port, world_size, cfg_path, kill=kill, log_path=log_path, timeout_s=timeout_s,
-                                 kill_when_cond=kill_when_cond, cli_argv=cli_argv, watch=watch)
+                                 kill_when_cond=kill_when_cond, cli_argv=cli_argv, script_argv=script_argv,
+                                 watch=watch)
 
 
 def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str | None, log_path: Path,
                       timeout_s: float, kill_when_cond: Callable[[], bool] | None, cli_argv: list[str] | None,
+                      script_argv: list[str] | None,
                       watch: Callable[[list[int], dict[int, int]], None] | None) -> dict:
     import json
 
@@ -277,7 +280,16 @@ def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str |
                                       LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 if kill:
                     install_kill(kill)
-                if cli_argv is not None:
+                if script_argv is not None:
+                    import runpy
+
+                    sys.argv = list(script_argv)
+                    try:
+                        runpy.run_path(script_argv[0], run_name="__main__")
+                        code = 0
+                    except SystemExit as exit_:
+                        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                elif cli_argv is not None:
                     from ds_capture.cli import main
 
                     code = main(cli_argv)
@@ -320,7 +332,8 @@ def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str |
         if pid not in status:  # a hung rank: the test fails on its signal 9 and timeout
             os.kill(pid, signal.SIGKILL)
             status[pid] = os.waitpid(pid, 0)[1]
-    for path in shm_buffers(port):
+    leftover_shm = list(shm_buffers(port))
+    for path in leftover_shm:
         Path(path).unlink(missing_ok=True)
     values = [status[pid] for pid in pids]
     return {
@@ -330,7 +343,37 @@ def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str |
         "timed_out": seconds >= timeout_s,
         "killed_by_parent": killed_by_parent,
         "summary": json.loads(summary_path.read_text()) if summary_path.is_file() else None,
+        "leftover_shm": leftover_shm,
     }
+
+
+def run_cli_forked(nproc: int, recipe: Path, *, timeout_s: float = 170) -> subprocess.CompletedProcess:
+    """``ds-capture run -c recipe --no-progress`` on ``nproc`` forked gloo ranks (one: a plain process), as
+    :func:`tests.distributed.launchers.run_cli` runs it under torchrun, without paying the interpreter, torch,
+    transformers and DeepSpeed imports per rank and per run (seconds each on 2 cores). The result looks like
+    run_cli's: ``returncode`` (0, else the first failed rank's code), ``stdout`` (every rank's output) and
+    ``leftover_shm`` (DeepSpeed's all-reduce buffers no rank removed)."""
+    import ds_capture.cli  # noqa: F401  (imported here once, so each forked rank starts at once)
+
+    return _forked_result(nproc, timeout_s, cli_argv=["run", "-c", str(recipe), "--no-progress"])
+
+
+def _forked_result(nproc: int, timeout_s: float, **what) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="ds_capture_forked_") as tmp:
+        log = Path(tmp) / "ranks.log"
+        result = run_forked_ranks(nproc, Path(tmp) / "unused.yaml", log_path=log, timeout_s=timeout_s, **what)
+        stdout = log.read_text(errors="replace") if log.is_file() else ""
+    failed = [code if code is not None else 128 + sig for code, sig in zip(result["codes"], result["signals"])
+              if code != 0]
+    returncode = 124 if result["timed_out"] else (failed[0] if failed else 0)
+    completed = subprocess.CompletedProcess(["forked", str(nproc)], returncode, stdout, "")
+    completed.leftover_shm = result["leftover_shm"]
+    return completed
+
+
+def run_script_forked(nproc: int, script_argv: list[str], *, timeout_s: float = 170) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc SCRIPT ARGS...`` as forked gloo ranks (see :func:`run_cli_forked`)."""
+    return _forked_result(nproc, timeout_s, script_argv=[str(arg) for arg in script_argv])
 
 
 # ---------------------------------------------------------------------------------------------- what is on disk

@@ -1,6 +1,6 @@
 """The DeepSpeed engine equals the single-process Hugging Face forward, per layout, with real gloo ranks.
 
-Layouts: EP=2 and TP=2 on 2 ranks, TP=2 x EP=2 on 4 ranks (torchrun), tiny random-init Qwen3-MoE and
+Layouts: EP=2 and TP=2 on 2 ranks, TP=2 x EP=2 on 4 ranks (forked gloo ranks), tiny random-init Qwen3-MoE and
 DeepSeek-V3 targets (sharded safetensors), different data per DP rank (EP peers in different DP groups
 see different tokens). Compared: the embedding output, every decoder layer's output, the post-norm last
 hidden state (hooked on the final norm), the logits, and every router's selected experts.
@@ -29,17 +29,18 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import run_launcher  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "_engine_worker.py")
 MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
 
 
 def _run(tmp_path: Path, nproc: int, cases: list[dict]) -> list[list[dict]]:
-    """Run the cases on ``nproc`` torchrun ranks; per rank, the list of case results."""
+    """Run the cases on ``nproc`` forked gloo ranks; per rank, the list of case results."""
     cases_file = tmp_path / "cases.json"
     cases_file.write_text(json.dumps(cases))
-    result = run_launcher("torchrun", nproc, [WORKER, str(cases_file), str(tmp_path)], None, 170)
+    result = kh.run_script_forked(nproc, [WORKER, cases_file, tmp_path], timeout_s=170)
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]

@@ -1,6 +1,7 @@
 """Per family, every supported distributed layout writes the same cache as one process; refusals come first.
 
-Each case runs the real CLI (``python -m ds_capture run -c recipe.yaml``) on real gloo ranks through torchrun,
+Each case runs the real CLI (``ds-capture run -c recipe.yaml``) on real gloo ranks forked from this process with
+a launcher's environment (the launchers themselves are tests/distributed/test_launch_forms.py's),
 on a tiny random-init target (``ds_capture.demo.TINY_CONFIGS``, sharded safetensors; DeepSeek-V4's hash routes
 randomised), 8 demo rows, S=32, ids ``[-1, 0, 1, 2, 3]``, fp32, and compares it with the single-process cache:
 ``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``.
@@ -21,8 +22,10 @@ import yaml
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import REPO_ROOT, run_cli  # noqa: E402
+from launchers import REPO_ROOT  # noqa: E402
 from support import max_rel_diff, record  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
 from test_families import family_target_builder  # noqa: E402
@@ -121,7 +124,7 @@ def _recipe(target: Path, out: Path, tp_size: int, ep_size: int, engine: str = "
 
 
 def _run(nproc: int, recipe: Path):
-    return run_cli(nproc, recipe)
+    return kh.run_cli_forked(nproc, recipe)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +172,8 @@ def test_unsupported_layout_is_refused_before_loading(targets, tmp_path, model_t
                                                       ep_size, message):
     out = tmp_path / "cache"
     result = _run(nproc, _recipe(targets(model_type), out, tp_size, ep_size))
-    # Each rank exits 2 (a user error); torchrun reports any failed rank as its own exit code 1.
-    assert result.returncode == 1, result.stdout[-4000:]
+    # Each rank exits 2 (a user error; torchrun would report it as its own exit code 1).
+    assert result.returncode == 2, result.stdout[-4000:]
     assert f"ds-capture run: error: {message}" in result.stdout and "Traceback (most recent call last):\n  File" \
         not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
     assert "Loading weights" not in result.stdout and not out.exists()

@@ -1,4 +1,4 @@
-"""``engine: fsdp2`` produces the single-process cache: the real CLI under torchrun, then compare_caches.
+"""``engine: fsdp2`` produces the single-process cache: the real CLI on forked gloo ranks, then compare_caches.
 
 fp32 caches must be equal within 1e-5 (compare's fp32 default) for tiny Qwen3, Qwen3-MoE and
 DeepSeek-V3 targets at world 2; Qwen3 also at world 4. bf16 is checked on the forward itself
@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import max_rel_diff, record  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 from ds_capture.cache.common.verify import DEFAULT_TOLERANCES
 from ds_capture.cache.dspark.reader import read_manifest  # noqa: E402
@@ -61,8 +63,7 @@ def _single_cache(tmp_path: Path, target: Path) -> Path:
 def _fsdp2_cache(tmp_path: Path, target: Path, nproc: int) -> Path:
     out = tmp_path / f"fsdp2_w{nproc}"
     cfg = _recipe(tmp_path / f"fsdp2_w{nproc}.yaml", target, out, engine="fsdp2")
-    result = run_launcher("torchrun", nproc, ["-m", "ds_capture", "run", "-c", str(cfg), "--no-progress"],
-                          None, timeout_s=150)
+    result = kh.run_cli_forked(nproc, cfg, timeout_s=150)
     assert result.returncode == 0, result.stdout[-6000:]
     assert result.leftover_shm == [], "the job left its shm buffers behind"
     return out

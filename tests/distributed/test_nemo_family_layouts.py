@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 and Kimi K3 (NeMo AutoModel's own classes): every supported distributed layout writes the same cache
 as one process, and TP is refused before any weight loads.
 
-Each case runs the real CLI (``python -m ds_capture run -c recipe.yaml``) on real gloo ranks through torchrun, on the
-tiny release checkpoints (tests/nemo_v41_release.py, tests/nemo_k3_release.py: quantized as released), 8 demo rows,
+Each case runs the real CLI (``ds-capture run -c recipe.yaml``) on real gloo ranks forked from this process with a
+launcher's environment (``_kill_helpers.run_cli_forked``), on the tiny release checkpoints (tests/nemo_v41_release.py, tests/nemo_k3_release.py: quantized as released), 8 demo rows,
 S=32, fp32, and compares it with the single-process cache (tests/distributed/support.py's ``max_rel_diff``):
 ``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``. EP of NeMo's GroupedExperts
 (ds_capture.parallel.grouped_experts) is exact by design, so an EP cache must also be the single-process cache byte
@@ -27,8 +27,9 @@ import yaml
 pytest.importorskip("nemo_automodel")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import run_cli  # noqa: E402
 from support import max_rel_diff, record, safetensors_digests  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 from ds_capture.target.families import FAMILIES  # noqa: E402
 
@@ -68,7 +69,7 @@ def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_s
 
 
 def _run(nproc: int, recipe: Path):
-    return run_cli(nproc, recipe)
+    return kh.run_cli_forked(nproc, recipe)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,8 @@ def test_tensor_parallelism_is_refused_before_loading(releases, tmp_path, model_
         weights.write_bytes(b"")
     out = tmp_path / "cache"
     result = _run(2, _recipe(release, out, model_type, tp_size=2))
-    # Each rank exits 2 (a user error); torchrun reports any failed rank as its own exit code 1.
-    assert result.returncode == 1, result.stdout[-4000:]
+    # Each rank exits 2 (a user error; torchrun would report it as its own exit code 1).
+    assert result.returncode == 2, result.stdout[-4000:]
     assert f"ds-capture run: error: {message}" in result.stdout and "Traceback (most recent call last):\n  File" \
         not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
     assert "not a readable safetensors file" not in result.stdout and not out.exists(), result.stdout[-4000:]

@@ -1,6 +1,6 @@
 """ds-capture plan counts, per rank, exactly the tensors the real engines hold on that rank.
 
-The reference is the engine itself: 2 real gloo ranks (torchrun) build and load tiny targets with the DeepSpeed
+The reference is the engine itself: 2 real gloo ranks (forked) build and load tiny targets with the DeepSpeed
 engine (expert parallel + DeepSpeed AutoTP through ``init_inference``, or the family's own TP plan: GLM-MoE-DSA) and
 with FSDP2, and report every local parameter and buffer; plan's tensor table (meta model, stand-in TP group, dim-0
 chunk rule) must give the same names and the same element counts on each rank.
@@ -19,7 +19,8 @@ from ds_capture.sizing.count import Sizer, fsdp2_local_numel
 from ds_capture.target.families import read_target_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import run_launcher  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "_plan_worker.py")
 
@@ -40,7 +41,7 @@ def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
              {"target": str(targets["glm_moe_dsa"]), "engine": "deepspeed", "tp_size": 2, "ep_size": 2},  # our TP plan
              {"target": str(targets["qwen3_moe"]), "engine": "fsdp2", "tp_size": 1, "ep_size": 1}]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    result = run_launcher("torchrun", 2, [WORKER, str(tmp_path / "cases.json"), str(tmp_path)], None, 230)
+    result = kh.run_script_forked(2, [WORKER, tmp_path / "cases.json", tmp_path], timeout_s=230)
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

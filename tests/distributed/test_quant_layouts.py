@@ -5,7 +5,7 @@ scales in another shard, a quantized MTP block; the reference: the same weights 
 references, fp32, stale ``quantization_config``). Layout names as in ``test_family_layouts.py``: dp, tp, ep,
 tp_x_ep, fsdp2.
 
-- ``test_layout_loads_bit_identical`` (one torchrun launch per cell, ``_quant_worker.py``): every rank builds
+- ``test_layout_loads_bit_identical`` (one forked launch of 2 or 4 ranks per cell, ``_quant_worker.py``): every rank builds
   both checkpoints with the engine's own builder; every local parameter / buffer and the hidden states and
   logits of one batch must be bitwise equal, and each rank reads its share of the quantized bytes (less than
   half the reference's bytes for every quantized tensor, identical bytes for the rest; EP ranks' expert bytes
@@ -27,8 +27,10 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launchers import REPO_ROOT, run_launcher  # noqa: E402
+from launchers import REPO_ROOT  # noqa: E402
 from support import safetensors_digests  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "unit"))
 import quant_release as qr  # noqa: E402
@@ -70,7 +72,7 @@ def test_layout_loads_bit_identical(pairs, tmp_path, model_type, scheme, layout)
     case = {"quantized": str(quantized), "reference": str(reference), "tp_size": tp_size, "ep_size": ep_size,
             "engine": "fsdp2" if layout == "fsdp2" else "deepspeed", "storages": storages}
     (tmp_path / "case.json").write_text(json.dumps(case))
-    result = run_launcher("torchrun", nproc, [WORKER, str(tmp_path / "case.json"), str(tmp_path)], None, 350)
+    result = kh.run_script_forked(nproc, [WORKER, tmp_path / "case.json", tmp_path], timeout_s=350)
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -108,7 +110,7 @@ def _capture(target: Path, out: Path, layout: str, storage: str = "dequantized")
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=4, cache_dtype="fp32", target_layer_ids=[-1, 0, 1, 2, 3])}))
-    result = run_launcher("torchrun", nproc, ["-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"], None, 250)
+    result = kh.run_cli_forked(nproc, recipe, timeout_s=250)
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     return out

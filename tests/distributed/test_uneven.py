@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launchers import ensure_shm_op_built, run_launcher  # noqa: E402
 from support import safetensors_digests  # noqa: E402
 
+from tests.distributed import _kill_helpers as kh  # noqa: E402
+
 from ds_capture.cache.registry import verify_cache
 
 pytestmark = [pytest.mark.distributed]
@@ -74,8 +76,7 @@ def uneven_runs(tiny_target, tmp_path_factory) -> dict:
         summary = json.loads((root / spec["name"] / "summary.rank0.json").read_text())
         results[spec["name"]]["shards_written"] = summary["shards_written"]
     four = results["three_over_dp4"]
-    result = run_launcher("torchrun", 4, ["-m", "ds_capture", "run", "-c", str(four["config"]), "--no-progress"],
-                          None, 300)
+    result = kh.run_cli_forked(4, four["config"], timeout_s=300)
     assert result.returncode == 0, result.stdout[-6000:]
     assert result.leftover_shm == []
     match = re.search(r"(\d+) shards written", result.stdout)
