@@ -123,3 +123,14 @@ def test_nothing_below_the_recipe_sees_the_demo():
 def test_the_checks_catch_what_they_are_for(graph, expected):
     assert later_stage_imports(graph) == expected
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_public_entry_points_keep_their_earlier_import_paths():
+    """What users import from the pre-stage layout still imports, and is the function that does the work."""
+    from ds_capture.cache import compare, dspark, reader, registry
+    from ds_capture.runner import run_capture
+
+    assert callable(run_capture)
+    assert (reader.read_manifest, reader.verify_cache, reader.inspect_cache, reader.format_inspect) == (
+        dspark.reader.read_manifest, registry.verify_cache, registry.inspect_cache, registry.format_inspect)
+    assert compare.compare_caches is registry.compare_caches
