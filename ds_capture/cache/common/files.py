@@ -1,5 +1,6 @@
 """Files both cache kinds write the same way: atomic writes (``<name>.tmp`` renamed over the name), checksum
-sidecars, the resume test of a finished shard, and the manifest-driven shard writer the kinds specialise.
+sidecars, and the manifest-driven shard writer the kinds specialise (a finished shard's test is
+:func:`ds_capture.cache.common.rerun_check.shard_is_done`).
 
 In: paths, tensors, a kind's manifest (its ``shard_layout``). Out: files on disk, fsynced.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file as _save_file
 
 from ds_capture.cache.common.names import (
@@ -118,28 +119,6 @@ def write_checksum_sidecar(out_dir: Path, index: int, checksum: str) -> None:
     line = f"{checksum}  {shard_name(index)}\n"
     write_atomic(sidecar, lambda tmp: tmp.write_text(line, encoding="utf-8"))
     (sidecar.parent / legacy_checksum_name(index)).unlink(missing_ok=True)
-
-
-def shard_is_done(out_dir: Path, index: int, manifest: Any) -> bool:
-    """Final name, readable header with exactly the manifest's expected tensors, and the recorded checksum
-    (any cache kind's manifest: ``expected_shard_tensors``)."""
-    path = out_dir / shard_name(index)
-    recorded = read_recorded_checksum(out_dir, index)
-    if not path.is_file() or recorded is None:
-        return False
-    try:
-        with safe_open(path, framework="pt") as f:
-            found = {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
-    except Exception:  # any unreadable header means "recompute", whatever safetensors raises
-        return False
-    expected_tensors = manifest.expected_shard_tensors(index).items()
-    expected = {key: (shape, _SAFETENSORS_DTYPE[dtype]) for key, (shape, dtype) in expected_tensors}
-    return found == expected and checksum_matches(path, recorded)
-
-
-# safetensors' header names for the dtypes a cache may hold.
-_SAFETENSORS_DTYPE = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.float32: "F32",
-                      torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass(frozen=True)

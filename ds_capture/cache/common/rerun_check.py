@@ -2,7 +2,8 @@
 
 In: a cache directory, its manifest (either cache kind: ``num_shards`` and ``expected_shard_tensors``), and
 whether to re-hash every shard. Out: a :class:`RerunCheck` holding ``{index: problem}`` for each shard a
-rerun recomputes, and the line that says what was found and what is redone.
+rerun recomputes, and the line that says what was found and what is redone; and :func:`shard_is_done`, the
+same checks with the checksum, which a resume applies to each shard it keeps.
 
 A complete manifest (DSpark ``complete: true``, EAGLE-3 ``.ds_capture/complete.json``) says the shards were
 all written; files on a shared filesystem still go missing or get truncated afterwards. So before a rerun
@@ -94,6 +95,11 @@ def shard_problem(out_dir: Path, index: int, manifest: Any, *, checksums: bool =
     if checksums and not checksum_matches(path, recorded):
         return f"its {recorded.partition(':')[0]} checksum differs from its sidecar (the file changed after it was written)"
     return None
+
+
+def shard_is_done(out_dir: Path, index: int, manifest: Any) -> bool:
+    """A resume keeps shard ``index``: it passes every check above, its checksum included (any cache kind)."""
+    return shard_problem(out_dir, index, manifest, checksums=True) is None
 
 
 def read_header(path: Path) -> tuple[bytes, int]:
