@@ -225,19 +225,20 @@ def disable_shm_op() -> None:
 
 
 
-def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None, log_path: Path,
+def run_forked_ranks(world_size: int, cfg_path: Path | None, *, kill: str | None = None, log_path: Path,
                      timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
                      cli_argv: list[str] | None = None, script_argv: list[str] | None = None,
                      watch: Callable[[list[int], dict[int, int]], None] | None = None) -> dict:
     """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
     environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
 
-    Each rank runs ``run_capture`` (or ``ds_capture.cli.main(cli_argv)``, or the script ``script_argv[0]`` as
-    ``__main__`` with ``sys.argv = script_argv``, as a launcher would run it) after ``install_kill(kill)``;
-    its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL every rank once it holds. ``watch(pids,
-    statuses)`` is called every poll (rank -> pid, pid -> wait status of the ranks that ended so far). Returns
-    ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} | None}`` where a rank's signal
-    is its terminating signal (0 if it exited) and ``summary`` is rank 0's ``RunSummary`` fields.
+    Each rank runs ``run_capture`` on ``cfg_path`` (or ``ds_capture.cli.main(cli_argv)``, or the script
+    ``script_argv[0]`` as ``__main__`` with ``sys.argv = script_argv``, as a launcher would run it; ``cfg_path``
+    is then None) after ``install_kill(kill)``; its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL
+    every rank once it holds. ``watch(pids, statuses)`` is called every poll (rank -> pid, pid -> wait status of
+    the ranks that ended so far). Returns ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} |
+    None, "leftover_shm": [...]}`` where a rank's signal is its terminating signal (0 if it exited), ``summary``
+    is rank 0's ``RunSummary`` fields and ``leftover_shm`` the DeepSpeed shm buffers no rank removed (deleted).
     """
     from tests.distributed.launchers import reserve_ports
 
@@ -248,7 +249,7 @@ def run_forked_ranks(world_size: int, cfg_path: Path, *, kill: str | None = None
                                  watch=watch)
 
 
-def _run_forked_ranks(port: int, world_size: int, cfg_path: Path, *, kill: str | None, log_path: Path,
+def _run_forked_ranks(port: int, world_size: int, cfg_path: Path | None, *, kill: str | None, log_path: Path,
                       timeout_s: float, kill_when_cond: Callable[[], bool] | None, cli_argv: list[str] | None,
                       script_argv: list[str] | None,
                       watch: Callable[[list[int], dict[int, int]], None] | None) -> dict:
@@ -361,7 +362,7 @@ def run_cli_forked(nproc: int, recipe: Path, *, timeout_s: float = 170) -> subpr
 def _forked_result(nproc: int, timeout_s: float, **what) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="ds_capture_forked_") as tmp:
         log = Path(tmp) / "ranks.log"
-        result = run_forked_ranks(nproc, Path(tmp) / "unused.yaml", log_path=log, timeout_s=timeout_s, **what)
+        result = run_forked_ranks(nproc, None, log_path=log, timeout_s=timeout_s, **what)
         stdout = log.read_text(errors="replace") if log.is_file() else ""
     failed = [code if code is not None else 128 + sig for code, sig in zip(result["codes"], result["signals"])
               if code != 0]

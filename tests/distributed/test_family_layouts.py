@@ -175,7 +175,7 @@ def test_unsupported_layout_is_refused_before_loading(targets, tmp_path, model_t
     # Each rank exits 2 (a user error; torchrun would report it as its own exit code 1).
     assert result.returncode == 2, result.stdout[-4000:]
     assert f"ds-capture run: error: {message}" in result.stdout and "Traceback (most recent call last):\n  File" \
-        not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
+        not in result.stdout, result.stdout[-4000:]
     assert "Loading weights" not in result.stdout and not out.exists()
     record(model_type, layout, {"status": "refused", "reason": message})
 

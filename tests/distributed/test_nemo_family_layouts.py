@@ -2,8 +2,8 @@
 as one process, and TP is refused before any weight loads.
 
 Each case runs the real CLI (``ds-capture run -c recipe.yaml``) on real gloo ranks forked from this process with a
-launcher's environment (``_kill_helpers.run_cli_forked``), on the tiny release checkpoints (tests/nemo_v41_release.py, tests/nemo_k3_release.py: quantized as released), 8 demo rows,
-S=32, fp32, and compares it with the single-process cache (tests/distributed/support.py's ``max_rel_diff``):
+launcher's environment (``_kill_helpers.run_cli_forked``), on the tiny release checkpoints (tests/nemo_v41_release.py,
+tests/nemo_k3_release.py: quantized as released), 8 demo rows, S=32, fp32, and compares it with the single-process cache (tests/distributed/support.py's ``max_rel_diff``):
 ``input_ids`` / ``loss_mask`` exactly, hidden states within ``1e-5 * max(1, max|a|)``. EP of NeMo's GroupedExperts
 (ds_capture.parallel.grouped_experts) is exact by design, so an EP cache must also be the single-process cache byte
 for byte, in fp32 and in bf16 (the same expert selection: a flipped top-k in bf16 would show as a changed byte).
@@ -169,6 +169,6 @@ def test_tensor_parallelism_is_refused_before_loading(releases, tmp_path, model_
     # Each rank exits 2 (a user error; torchrun would report it as its own exit code 1).
     assert result.returncode == 2, result.stdout[-4000:]
     assert f"ds-capture run: error: {message}" in result.stdout and "Traceback (most recent call last):\n  File" \
-        not in result.stdout.split("torch/distributed/elastic")[0], result.stdout[-4000:]
+        not in result.stdout, result.stdout[-4000:]
     assert "not a readable safetensors file" not in result.stdout and not out.exists(), result.stdout[-4000:]
     record(model_type, layout, {"status": "refused", "reason": message})

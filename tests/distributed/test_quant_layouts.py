@@ -5,8 +5,8 @@ scales in another shard, a quantized MTP block; the reference: the same weights 
 references, fp32, stale ``quantization_config``). Layout names as in ``test_family_layouts.py``: dp, tp, ep,
 tp_x_ep, fsdp2.
 
-- ``test_layout_loads_bit_identical`` (one forked launch of 2 or 4 ranks per cell, ``_quant_worker.py``): every rank builds
-  both checkpoints with the engine's own builder; every local parameter / buffer and the hidden states and
+- ``test_layout_loads_bit_identical`` (one launch of 2 or 4 forked ranks per cell, ``_quant_worker.py``): every rank
+  builds both checkpoints with the engine's own builder; every local parameter / buffer and the hidden states and
   logits of one batch must be bitwise equal, and each rank reads its share of the quantized bytes (less than
   half the reference's bytes for every quantized tensor, identical bytes for the rest; EP ranks' expert bytes
   add up to the checkpoint's). The same launch also builds the quantized checkpoint with ``expert_storage:

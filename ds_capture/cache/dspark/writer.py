@@ -26,7 +26,6 @@ from typing import Mapping
 import torch
 
 from ds_capture.cache.common.files import TMP_SUFFIX, ManifestShards, save_file, write_atomic
-from ds_capture.cache.common.rerun_check import shard_is_done
 from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,
@@ -34,6 +33,7 @@ from ds_capture.cache.common.names import (
     MANIFEST_NAME,
     shard_name,
 )
+from ds_capture.cache.common.rerun_check import shard_is_done
 from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile
 from ds_capture.cache.dspark.format import TARGET_WEIGHTS_NAME, Manifest
 from ds_capture.errors import CaptureError
