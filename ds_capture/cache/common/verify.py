@@ -6,15 +6,16 @@ In: a cache directory and its manifest. Out: reports (problems named by file and
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.files import file_checksum, read_recorded_checksum
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, checksum_name, shard_name
+from ds_capture.cache.common.shard_file import read_tensors
 
 _MAX_LISTED = 10
 
@@ -71,10 +72,10 @@ def padding_lengths(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor
     return is_pad_reversed.cumprod(dim=-1).sum(dim=-1)
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file."""
-    with safe_open(path, framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
+def load_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (or those in ``names``), read without a memory map
+    (:func:`~ds_capture.cache.common.shard_file.read_tensors`: a full tmpfs cannot kill the reader)."""
+    return read_tensors(path, names)
 
 
 def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: list[str]) -> dict[str, torch.Tensor] | None:
@@ -83,7 +84,7 @@ def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: lis
     name = shard_name(index)
     try:
         tensors = load_tensors(Path(cache_dir) / name)
-    except Exception as err:  # safetensors raises several types for damaged files
+    except (OSError, ValueError) as err:  # a damaged file, or one the filesystem cannot read
         problems.append(f"{name}: unreadable safetensors file ({err})")
         return None
     expected = manifest.expected_shard_tensors(index)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.names import (
     MANIFEST_NAME,
@@ -111,9 +110,8 @@ def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
     votes: Counter[int] = Counter()
     for index in indices:
         try:
-            with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-                input_ids = f.get_tensor("input_ids")
-        except Exception:  # an unreadable shard is reported by _verify_shard; it just does not vote
+            input_ids = load_tensors(cache_dir / shard_name(index), ["input_ids"])["input_ids"]
+        except (OSError, ValueError, KeyError):  # an unreadable shard is reported by _verify_shard; it just does not vote
             continue
         if input_ids.dim() != 2 or input_ids.shape[1] < 2:
             continue
@@ -172,7 +170,7 @@ def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) ->
         return
     try:
         tensors = load_tensors(path)
-    except Exception as err:
+    except (OSError, ValueError) as err:
         problems.append(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})")
         return
     expected = manifest.expected_weight_tensors()
@@ -196,8 +194,8 @@ def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
     pad_id = _infer_pad_id(cache_dir, present)
     num_tokens = num_supervised = 0
     for index in present:
-        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-            input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        tensors = load_tensors(cache_dir / shard_name(index), ["input_ids", "loss_mask"])
+        input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
         num_tokens += int((input_ids.shape[1] - padding_lengths(input_ids, pad_id)).sum())
         num_supervised += int(loss_mask.sum())
     files = [p for p in cache_dir.rglob("*") if p.is_file()]

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
 from ds_capture.cache.common.verify import (
@@ -156,7 +155,7 @@ def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, problems: list
         return
     try:
         tensors = load_tensors(path)
-    except Exception as err:
+    except (OSError, ValueError) as err:
         problems.append(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})")
         return
     weight = tensors.get("weight")
@@ -174,10 +173,10 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
     present = sorted(_shard_indices(cache_dir))
     tokens = supervised = positions = 0
     for index in present:
-        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-            tokens += int(f.get_tensor("attention_mask").sum())
-            supervised += int(f.get_tensor("loss_mask").sum())
-            positions += int(f.get_tensor("position_mask").sum())
+        masks = load_tensors(cache_dir / shard_name(index), ["attention_mask", "loss_mask", "position_mask"])
+        tokens += int(masks["attention_mask"].sum())
+        supervised += int(masks["loss_mask"].sum())
+        positions += int(masks["position_mask"].sum())
     complete, rule = completion(cache_dir, manifest)
     identity = {name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in FIELD_NAMES}
     return {
@@ -261,7 +260,7 @@ def _compare_files(path_a: Path, path_b: Path, atol: float, rtol: float) -> Shar
             raise CaptureError(f"{path} is missing: the cache is incomplete (run `ds-capture verify` on it).")
         try:
             loaded.append(load_tensors(path))
-        except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a damaged file
+        except (OSError, ValueError) as error:
             raise CaptureError(f"{path} cannot be read as safetensors ({error}).") from None
     tensors_a, tensors_b = loaded
     if set(tensors_a) != set(tensors_b):
