@@ -24,6 +24,7 @@ from ds_capture import __version__
 from ds_capture.capture.interrupt import Interrupted
 from ds_capture.errors import RERUN_EXIT_CODE, CaptureError
 from ds_capture.parallel.dist import AgreedError
+from ds_capture.parallel.torchrun_exit import record_exit_code
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -112,6 +113,7 @@ def entry() -> None:
     transformers' module graph, which costs 1 to 2 s per process (measured: ``import torch`` alone adds
     0.9 s at exit). The output streams and log handlers are flushed first."""
     code = main()
+    record_exit_code(code)  # read by launch/torchrun.sh's wrapper (torchrun does not report it on a shutdown)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
