@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -175,3 +176,36 @@ def test_python_m_user_error_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith(f"ds-capture run: error: {recipe}: ")
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_prints_only_its_own_lines_unless_asked_for_more(tiny_target, tmp_path):
+    """Other libraries' import noise (with the nemo extra: torchao's "Failed to load ...", "Detected no triton",
+    torch's pytree W-lines) is not printed; a warning about the user's own recipe is; --verbose shows the rest."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "recipe_args:\n"
+        f"  target_model_name_or_path: {tiny_target('qwen3')}\n"
+        "  train_data_path: demo:conversations\n"
+        "  train_split: train[:2]\n"
+        f"  cache_output_dir: {tmp_path / 'quiet'}\n"
+        "  seq_length: 16\n"
+        "  cache_shard_size: 2\n"
+        "  target_force_hf: true\n"
+    )
+    environment = {"DS_CAPTURE_LOG_LEVEL": "", "TRANSFORMERS_VERBOSITY": ""}
+    quiet = run_module("run", "-c", str(recipe), "--no-progress", **environment)
+    assert quiet.returncode == 0, quiet.stderr
+    lines = quiet.stderr.splitlines()
+    assert [line for line in lines if not line.startswith("[ds_capture] WARNING ")] == [], quiet.stderr
+    assert "Failed to load" not in quiet.stderr and "triton" not in quiet.stderr, quiet.stderr
+    assert (f"[ds_capture] WARNING {recipe}: `recipe_args.target_force_hf` is a NeMo backend setting; it does not "
+            "apply to ds_capture and is ignored.") in lines
+    assert any("train_split 'train[:2]' selects 2 of its 300" in line for line in lines), lines
+    assert quiet.stdout.startswith(f"captured 2 samples into {tmp_path / 'quiet'}: 1 shards written")
+
+    verbose = run_module("run", "-c", str(recipe), "--no-progress", "--verbose",
+                         "--set", f"recipe_args.cache_output_dir={tmp_path / 'verbose'}", **environment)
+    assert verbose.returncode == 0, verbose.stderr
+    assert set(lines) <= set(verbose.stderr.splitlines())
+    if importlib.util.find_spec("torchao") is not None:  # the nemo extra: the noise this test is about
+        assert "[torchao] WARNING Failed to load " in verbose.stderr, verbose.stderr
