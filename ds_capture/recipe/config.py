@@ -203,6 +203,11 @@ class CaptureOptions:
     nan_policy: str = "fail"
     """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
+    invalid_rows: str = "refuse"
+    """A dataset row NeMo refuses (not JSON, not UTF-8, a shape its reader rejects): ``refuse`` stops the run
+    naming the first one; ``skip`` leaves every such row out, captures the valid rows (``num_samples`` counts
+    them), and lists each skipped row with the refusal's reason in ``.ds_capture/skipped_rows.json``. Part of the
+    cache's identity: a rerun with the other setting over the same directory is refused."""
     metrics_interval_steps: int = 8
     """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
     gpu_memory_gib: float | None = None
@@ -226,6 +231,8 @@ class CaptureOptions:
             raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
         if self.writer_buffer_mib < 0:
             raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
+        if self.invalid_rows not in ("refuse", "skip"):
+            raise ValueError(f"must be 'refuse' or 'skip', got {self.invalid_rows!r}", "invalid_rows")
         if self.nan_policy not in ("fail", "record"):
             raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
         if self.gpu_memory_gib is not None and self.gpu_memory_gib < 0:
