@@ -180,9 +180,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif report.ok:
         print(report.summary())
     else:
-        print(f"{args.cache_dir}: INVALID cache, {len(report.problems)} problem(s):")
-        for problem in report.problems:
-            print(f"  - {problem}")
+        print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
 

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from ds_capture.cache.common.files import write_atomic
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, SKIPPED_ROWS_NAME
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, RUN_COMMAND_NAME, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
@@ -357,7 +357,7 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
     return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
                      data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0,
                      skipped_rows=[row.to_json() for row in dataset.skipped] if cfg.capture.invalid_rows == "skip"
-                     else None)
+                     else None, run_command=_run_command(cfg))
 
 
 def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
@@ -365,10 +365,31 @@ def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepare
     try:
         kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart,
                             verify_checksums=verify_checksums)
-        if prepared.skipped_rows is not None and not prepared.already_complete:
-            _record_skipped_rows(out_dir, prepared.skipped_rows)
+        if not prepared.already_complete:
+            if prepared.run_command is not None:
+                _record_run_command(out_dir, prepared.run_command)
+            if prepared.skipped_rows is not None:
+                _record_skipped_rows(out_dir, prepared.skipped_rows)
     except OSError as error:
         raise output_error(out_dir, error) from error
+
+
+def _run_command(cfg: RunConfig) -> list[str] | None:
+    """``ds-capture run -c <the recipe's absolute path> [--set ...]``: the command that writes this cache."""
+    if not Path(cfg.source).is_file():
+        return None  # a config built in code (forked test ranks): no command reproduces it
+    argv = ["ds-capture", "run", "-c", str(Path(cfg.source).resolve())]
+    for override in cfg.overrides:
+        argv += ["--set", override]
+    return argv
+
+
+def _record_run_command(out_dir: Path, argv: list[str]) -> None:
+    """``.ds_capture/run_command.json``: the command that writes this cache, for ``verify``'s repair lines."""
+    path = out_dir / BOOKKEEPING_DIR / RUN_COMMAND_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"argv": argv, "cache_output_dir": str(out_dir.resolve())}
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8"))
 
 
 def _record_skipped_rows(out_dir: Path, rows: list[dict]) -> None:
@@ -402,6 +423,7 @@ class _Prepared:
     done: set = field(default_factory=set)
     already_complete: bool = False
     rerun_check: str = ""
+    run_command: list[str] | None = None
     skipped_rows: list[dict] | None = None
     """``capture.invalid_rows: skip``: the rows left out (``SkippedRow.to_json``); None under ``refuse``."""
 

@@ -19,7 +19,7 @@ import json
 import logging
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -257,6 +257,8 @@ class RunConfig:
     """The DeepSpeed config: a path (relative to the YAML file) or an inline mapping; loaded here."""
     source: str = "<config>"
     """The YAML file this came from (for messages)."""
+    overrides: tuple[str, ...] = ()
+    """The ``--set dotted.key=value`` overrides applied to it (with ``source``: the command that made a cache)."""
     deepspeed_config_source: str = "<inline deepspeed_config>"
 
     def __post_init__(self) -> None:
@@ -325,7 +327,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise CaptureError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}.")
     for override in overrides:
         _apply_override(raw, override, path)
-    return parse_config(raw, source=str(path), base_dir=path.parent)
+    return replace(parse_config(raw, source=str(path), base_dir=path.parent), overrides=tuple(overrides))
 
 
 def parse_config(raw: Mapping[str, Any], *, source: str, base_dir: Path) -> RunConfig:
