@@ -23,8 +23,8 @@ from typing import Iterator
 
 import torch
 
-from ds_capture.cache.common.files import write_atomic
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, RUN_COMMAND_NAME, SKIPPED_ROWS_NAME
+from ds_capture.cache.common.files import write_atomic, write_run_command, write_skipped_rows
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
@@ -214,6 +214,8 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
             try:
                 kind.publish(prepared, target, plan, out_dir, restart=restart, verify_checksums=verify_checksums)
+                if plan.is_manifest_writer and not prepared.already_complete:
+                    _record_run(out_dir, prepared)
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
@@ -357,7 +359,7 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
     return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
                      data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0,
                      skipped_rows=[row.to_json() for row in dataset.skipped] if cfg.capture.invalid_rows == "skip"
-                     else None, run_command=_run_command(cfg))
+                     else None, run_command=cfg.command_argv())
 
 
 def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
@@ -365,39 +367,19 @@ def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepare
     try:
         kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart,
                             verify_checksums=verify_checksums)
-        if not prepared.already_complete:
-            if prepared.run_command is not None:
-                _record_run_command(out_dir, prepared.run_command)
-            if prepared.skipped_rows is not None:
-                _record_skipped_rows(out_dir, prepared.skipped_rows)
     except OSError as error:
         raise output_error(out_dir, error) from error
 
 
-def _run_command(cfg: RunConfig) -> list[str] | None:
-    """``ds-capture run -c <the recipe's absolute path> [--set ...]``: the command that writes this cache."""
-    if not Path(cfg.source).is_file():
-        return None  # a config built in code (forked test ranks): no command reproduces it
-    argv = ["ds-capture", "run", "-c", str(Path(cfg.source).resolve())]
-    for override in cfg.overrides:
-        argv += ["--set", override]
-    return argv
-
-
-def _record_run_command(out_dir: Path, argv: list[str]) -> None:
-    """``.ds_capture/run_command.json``: the command that writes this cache, for ``verify``'s repair lines."""
-    path = out_dir / BOOKKEEPING_DIR / RUN_COMMAND_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"argv": argv, "cache_output_dir": str(out_dir.resolve())}
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record) + "\n", encoding="utf-8"))
-
-
-def _record_skipped_rows(out_dir: Path, rows: list[dict]) -> None:
-    """``.ds_capture/skipped_rows.json``: what ``capture.invalid_rows: skip`` left out of this cache and why."""
-    path = out_dir / BOOKKEEPING_DIR / SKIPPED_ROWS_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"num_rows_skipped": len(rows), "rows": rows}, indent=1)
-    write_atomic(path, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
+def _record_run(out_dir: Path, prepared: "_Prepared") -> None:
+    """Rank 0, once the kind decided there is work: the run's command (verify's repairs) and the skipped rows."""
+    try:
+        if prepared.run_command is not None:
+            write_run_command(out_dir, prepared.run_command)
+        if prepared.skipped_rows is not None:
+            write_skipped_rows(out_dir, prepared.skipped_rows)
+    except OSError as error:
+        raise output_error(out_dir, error) from error
 
 
 def output_error(out_dir: Path, error: OSError) -> CaptureError:

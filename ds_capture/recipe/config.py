@@ -261,6 +261,16 @@ class RunConfig:
     """The ``--set dotted.key=value`` overrides applied to it (with ``source``: the command that made a cache)."""
     deepspeed_config_source: str = "<inline deepspeed_config>"
 
+    def command_argv(self) -> list[str] | None:
+        """``ds-capture run -c <the recipe's absolute path> [--set ...]``: the command that runs this config
+        (None for a config built in code, which no command reproduces)."""
+        if not Path(self.source).is_file():
+            return None
+        argv = ["ds-capture", "run", "-c", str(Path(self.source).resolve())]
+        for override in self.overrides:
+            argv += ["--set", override]
+        return argv
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"must be one of {', '.join(ENGINES)}, got {self.engine!r}", "engine")
