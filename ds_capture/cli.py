@@ -23,7 +23,9 @@ from typing import Any
 from ds_capture import __version__
 from ds_capture.capture.interrupt import Interrupted
 from ds_capture.errors import RERUN_EXIT_CODE, CaptureError
+from ds_capture.log_setup import configure_logging
 from ds_capture.parallel.dist import AgreedError
+from ds_capture.parallel.torchrun_exit import record_exit_code
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-capture", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"ds_capture {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show other libraries' warnings (import noise included); DS_CAPTURE_LOG_LEVEL sets "
+                             "their level (default ERROR)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="capture a target's hidden states into a cache")
@@ -43,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="over a cache marked complete, also re-hash every shard against its checksum sidecar "
                           "(finds a changed byte; reads the whole cache) before recomputing only the damaged ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                     help="as ds-capture --verbose: also show other libraries' warnings")
 
     plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
     plan.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
@@ -75,11 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
-                        format="[ds_capture] %(levelname)s %(message)s")
     from ds_capture.parallel.dist import quiet_deepspeed_accelerator
 
     quiet_deepspeed_accelerator()
+    configure_logging(rank0=_is_rank0(), verbose=args.verbose)
     try:
         return _COMMANDS[args.command](args)
     except CaptureError as error:
@@ -112,6 +118,7 @@ def entry() -> None:
     transformers' module graph, which costs 1 to 2 s per process (measured: ``import torch`` alone adds
     0.9 s at exit). The output streams and log handlers are flushed first."""
     code = main()
+    record_exit_code(code)  # read by launch/torchrun.sh's wrapper (torchrun does not report it on a shutdown)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -173,9 +180,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif report.ok:
         print(report.summary())
     else:
-        print(f"{args.cache_dir}: INVALID cache, {len(report.problems)} problem(s):")
-        for problem in report.problems:
-            print(f"  - {problem}")
+        print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
 

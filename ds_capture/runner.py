@@ -23,8 +23,8 @@ from typing import Iterator
 
 import torch
 
-from ds_capture.cache.common.files import write_atomic
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES
+from ds_capture.cache.common.files import write_atomic, write_run_command, write_skipped_rows
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
@@ -82,6 +82,8 @@ class RunSummary:
     """This rank's writer time spent writing (the rest of the loop it waited for work)."""
     rerun_check: str = ""
     """Rank 0: what the rerun check of a cache marked complete found (empty where it was not marked complete)."""
+    rows_skipped: int = 0
+    """Invalid dataset rows left out (``capture.invalid_rows: skip``), listed in .ds_capture/skipped_rows.json."""
 
     @property
     def padding_fraction(self) -> float:
@@ -93,6 +95,10 @@ class RunSummary:
         return self.num_tokens / self.capture_seconds if self.capture_seconds > 0 else 0.0
 
     def format(self) -> str:
+        return self._format() + (f"; {self.rows_skipped} invalid rows skipped (listed in {BOOKKEEPING_DIR}/"
+                                  f"{SKIPPED_ROWS_NAME})" if self.rows_skipped else "")
+
+    def _format(self) -> str:
         if not self.published:
             checked = f"; {self.rerun_check}" if self.rerun_check else ""
             return (f"{self.output_dir} already holds this complete cache ({self.num_samples} samples{checked}); "
@@ -208,6 +214,8 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
             try:
                 kind.publish(prepared, target, plan, out_dir, restart=restart, verify_checksums=verify_checksums)
+                if plan.is_manifest_writer and not prepared.already_complete:
+                    _record_run(out_dir, prepared)
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
@@ -237,7 +245,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         return RunSummary(output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False,
-                          rerun_check=prepared.rerun_check)
+                          rerun_check=prepared.rerun_check, rows_skipped=len(prepared.skipped_rows or ()))
 
     if loading is not None:
         model = loading.result()
@@ -318,7 +326,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
         capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
-        writer_busy_seconds=writer.busy_seconds,
+        writer_busy_seconds=writer.busy_seconds, rows_skipped=len(prepared.skipped_rows or ()),
     )
 
 
@@ -331,7 +339,8 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
     tokenizer = load_tokenizer(target, trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
     data_path = args.train_data
-    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
+    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed,
+                           invalid_rows=cfg.capture.invalid_rows)
     manifest = kind.build_manifest(cfg, target, layer_ids, tokenizer=tokenizer, chat_template=template,
                                    num_samples=len(dataset), plan=plan)
     samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
@@ -348,7 +357,9 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
     return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
-                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0)
+                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0,
+                     skipped_rows=[row.to_json() for row in dataset.skipped] if cfg.capture.invalid_rows == "skip"
+                     else None, run_command=cfg.command_argv())
 
 
 def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
@@ -356,6 +367,17 @@ def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepare
     try:
         kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart,
                             verify_checksums=verify_checksums)
+    except OSError as error:
+        raise output_error(out_dir, error) from error
+
+
+def _record_run(out_dir: Path, prepared: "_Prepared") -> None:
+    """Rank 0, once the kind decided there is work: the run's command (verify's repairs) and the skipped rows."""
+    try:
+        if prepared.run_command is not None:
+            write_run_command(out_dir, prepared.run_command)
+        if prepared.skipped_rows is not None:
+            write_skipped_rows(out_dir, prepared.skipped_rows)
     except OSError as error:
         raise output_error(out_dir, error) from error
 
@@ -383,6 +405,9 @@ class _Prepared:
     done: set = field(default_factory=set)
     already_complete: bool = False
     rerun_check: str = ""
+    run_command: list[str] | None = None
+    skipped_rows: list[dict] | None = None
+    """``capture.invalid_rows: skip``: the rows left out (``SkippedRow.to_json``); None under ``refuse``."""
 
 
 @dataclass(frozen=True)
