@@ -59,6 +59,20 @@ def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torc
     return model
 
 
+def check_fsdp2_degrees(family: Any, engine: str, *, world_size: int, tp_size: int, ep_size: int) -> None:
+    """``engine: fsdp2``'s degrees: no tensor parallelism; expert parallelism only for NeMo's ``GroupedExperts``
+    families, over every rank (``ep_size == world``: the experts ignored by ``fully_shard``, the rest sharded)."""
+    if engine != "fsdp2" or (tp_size == 1 and ep_size == 1):
+        return
+    if tp_size == 1 and family.is_nemo and ep_size == world_size:
+        return
+    raise CaptureError(
+        f"engine: fsdp2 shards every parameter over all {world_size} ranks; it has no tensor parallelism, and expert "
+        f"parallelism only for NeMo-built families over every rank (distributed.ep_size = the world size) (got "
+        f"tp_size {tp_size}, ep_size {ep_size}). Set distributed.tp_size to 1 and distributed.ep_size to 1 (or to "
+        f"{world_size} for a NeMo-built family), or use engine: deepspeed.")
+
+
 def _device() -> torch.device:
     if torch_dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

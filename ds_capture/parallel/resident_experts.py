@@ -156,10 +156,11 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
     return swapped
 
 
-def refuse_resident_experts(family, storage: str) -> None:
+def refuse_resident_experts(family, storage: str, *, fsdp2_ep: bool = False) -> None:
     """``checkpoint`` storage needs the transformers experts this module wraps; NeMo's ``GroupedExperts`` take
-    dequantized stacked tensors."""
-    if storage == "checkpoint" and family.is_nemo:
+    dequantized stacked tensors (``fsdp2_ep``: ``ds-capture plan`` sizes them packed in FSDP2's expert-parallel
+    layout, ``engine: fsdp2`` with ``distributed.ep_size`` = the world)."""
+    if storage == "checkpoint" and family.is_nemo and not fsdp2_ep:
         raise CaptureError(
             f"capture.expert_storage: checkpoint keeps the routed experts in the checkpoint's format inside "
             f"transformers' fused experts; model_type {family.model_type!r} is built by NeMo AutoModel's class, whose "
