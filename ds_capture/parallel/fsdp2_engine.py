@@ -43,20 +43,37 @@ def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torc
     """The frozen target for this rank, sharded by ``fully_shard`` over every rank of the job.
 
     Collective: every rank must call it (the mesh creation and, later, every forward communicate).
-    ``groups`` is unused: FSDP2 shards over the whole world, which the plan sees as ``dp_size == world``.
+    ``plan.ep_size == world`` (NeMo-built families only): :func:`keep_experts_local` first, and ``fully_shard``
+    leaves those parameters out; ``groups`` is otherwise unused (FSDP2 shards over the whole world).
     """
-    if plan.tp_size != 1 or plan.ep_size != 1:
-        raise CaptureError(
-            f"engine: fsdp2 shards every parameter over all {plan.world_size} ranks and feeds each rank its own "
-            f"data; it has no tensor or expert parallelism (got tp_size {plan.tp_size}, ep_size {plan.ep_size}). "
-            "Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed."
-        )
+    check_fsdp2_degrees(target.family, "fsdp2", world_size=plan.world_size, tp_size=plan.tp_size,
+                        ep_size=plan.ep_size)
     device = _device()
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
+    ignored: set[nn.Parameter] = set()
+    if plan.ep_size > 1:
+        model, ignored = keep_experts_local(model, target, world_size=plan.world_size, rank=plan.rank)
     mesh = _mesh(plan.world_size, device)
-    apply_fsdp(model, target, mesh)
+    apply_fsdp(model, target, mesh, ignored_params=ignored)
     load_fsdp_shards(model, target, device=device)
     return model
+
+
+def keep_experts_local(model: nn.Module, target: TargetInfo, *, world_size: int, rank: int
+                       ) -> tuple[nn.Module, set[nn.Parameter]]:
+    """FSDP2's expert-parallel layout (``engine: fsdp2`` with ``distributed.ep_size`` = the world): the meta
+    ``model``'s routed experts split E/world per rank (:mod:`.grouped_experts`, exact all-to-all routing) and the
+    family's row-parallel tables split by rows (:mod:`.engram_parallel`), both over WORLD. Returns the model and
+    those parameters, which ``fully_shard`` must leave out (``ignored_params``): they never enter an all-gather."""
+    from ds_capture.parallel.engram_parallel import apply_engram_row_parallel, row_parallel_tables
+    from ds_capture.parallel.expert_parallel import apply_expert_parallel, moe_experts_modules
+
+    family = target.family
+    world = torch_dist.group.WORLD
+    model = apply_expert_parallel(model, family, ep_group=world, ep_size=world_size, ep_rank=rank)
+    model = apply_engram_row_parallel(model, family, group=world, group_size=world_size, group_rank=rank)
+    local = [m for _, m in moe_experts_modules(model, family)] + [t for _, t in row_parallel_tables(model, family)]
+    return model, {p for module in local for p in module.parameters()}
 
 
 def check_fsdp2_degrees(family: Any, engine: str, *, world_size: int, tp_size: int, ep_size: int) -> None:
@@ -85,18 +102,22 @@ def _mesh(world_size: int, device: torch.device) -> Any:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
 
 
-def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any) -> None:
+def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any, *,
+               ignored_params: set[nn.Parameter] | None = None) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head).
 
     One all-gather per layer keeps at most one unsharded layer alive at a time
-    (``reshard_after_forward``); the root group holds what is left over.
+    (``reshard_after_forward``); the root group holds what is left over. ``ignored_params`` (expert-parallel
+    experts, row-split tables) stay plain local tensors, in no group.
     """
     from torch.distributed.fsdp import fully_shard
 
+    ignored = ignored_params or set()
     layers = get_submodule(model, target.family.layers)
     for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):  # NeMo's classes: a ModuleDict
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        own = {p for p in layer.parameters() if p in ignored}
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=own or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
 
 
 def _local_rows(param: torch.Tensor) -> tuple[int, int, int]:
@@ -172,7 +193,14 @@ def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
     """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
     from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
+    from ds_capture.target.nemo_models import expert_rows, table_rows
+
     destinations, rows = _local_chunks(model.state_dict(keep_vars=True))
+    tables = table_rows(model)  # expert-parallel layout: row-split tables and the rank's experts, read as the
+    for name, (_, count) in tables.items():  # DeepSpeed engine reads them (a table's last owner: zero padding)
+        destinations[name][count:].zero_()
+        destinations[name] = destinations[name][:count]
+    rows.update({**expert_rows(model), **tables})
     stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

@@ -39,19 +39,23 @@ DTYPES = {"fp32": {"cache_dtype": "fp32", "compute_dtype": "fp32"},
 
 # (model_type, layout, nproc, ep_size, engine): the supported layouts checked for equality with one process.
 # K3's fp32 EP cell is slow: its bf16 EP cell (in CI) runs the same split, byte for byte.
-_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed")]
-_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"),
+# "fsdp2-ep": engine fsdp2 with ep_size = world (routed experts expert-parallel and ignored by fully_shard, Engram
+# tables row-split, every other parameter sharded): exact, so byte for byte too.
+_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep", 2, 2, "fsdp2")]
+_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"), ("deepseek_v41", "fsdp2-ep", 2, 2, "fsdp2"),
+               *[(m, "fsdp2-ep", 4, 4, "fsdp2") for m in sorted(LAYER_IDS)],
                *[(m, layout, 2, ep, engine) for m in sorted(LAYER_IDS)
                  for layout, ep, engine in (("dp", 1, "deepspeed"), ("fsdp2", 1, "fsdp2"))]]
 EQUAL_CASES = [*_CI_CASES, *[pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_CASES]]
 REFUSED_CASES = [("kimi_k3", "tp"), pytest.param("deepseek_v41", "tp", marks=pytest.mark.slow)]
 # bf16 EP vs one process, bitwise: K3 in CI (12 s with its reference), V4.1 slow (17 s).
-BF16_CASES = ["kimi_k3", pytest.param("deepseek_v41", marks=pytest.mark.slow)]
+BF16_CASES = [("kimi_k3", "deepspeed"), pytest.param("deepseek_v41", "deepspeed", marks=pytest.mark.slow),
+              *[pytest.param(m, "fsdp2", marks=pytest.mark.slow) for m in sorted(LAYER_IDS)]]
 
 
 def _case_id(case) -> str:
     values = case.values if hasattr(case, "values") else case  # a pytest.param (slow) or a plain tuple
-    return f"{values[0]}-{values[1]}"
+    return f"{values[0]}-{values[1]}" + (f"-{values[2]}" if len(values) > 2 and values[2] != 2 else "")
 
 
 def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_size: int = 1,
@@ -126,18 +130,19 @@ def test_layout_equals_single_process(releases, single_caches, tmp_path, model_t
     record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                 "nproc": nproc, "tp_size": 1, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)
-    if layout == "ep":  # GroupedExperts' split is exact: the very bytes of one process
+    if layout in ("ep", "fsdp2-ep"):  # GroupedExperts' split is exact: the very bytes of one process
         assert safetensors_digests(out) == safetensors_digests(reference), (model_type, layout, diff)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model_type", BF16_CASES)
-def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type):
-    """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same."""
+@pytest.mark.parametrize("model_type, engine", BF16_CASES)
+def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type, engine):
+    """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same
+    (``fsdp2``: FSDP2's expert-parallel layout, the rest sharded and gathered per block)."""
     reference = single_caches(model_type, "bf16")
     out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, 2, 2, "deepspeed", "bf16")
+    _run_layout(releases[model_type], out, model_type, 2, 2, engine, "bf16")
     assert safetensors_digests(out) == safetensors_digests(reference), (model_type, max_rel_diff(reference, out))
 
 
