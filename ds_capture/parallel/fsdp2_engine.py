@@ -39,12 +39,14 @@ from ds_capture.target.loading import (
 
 
 def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                      attn_implementation: str | None) -> nn.Module:
+                      attn_implementation: str | None, expert_storage: str = "dequantized") -> nn.Module:
     """The frozen target for this rank, sharded by ``fully_shard`` over every rank of the job.
 
     Collective: every rank must call it (the mesh creation and, later, every forward communicate).
     ``plan.ep_size == world`` (NeMo-built families only): :func:`keep_experts_local` first, and ``fully_shard``
     leaves those parameters out; ``groups`` is otherwise unused (FSDP2 shards over the whole world).
+    ``expert_storage == "checkpoint"`` (that layout only): the rank's experts stay packed as released
+    (:mod:`.packed_grouped_experts`), rebuilt one expert at a time in the forward.
     """
     check_fsdp2_degrees(target.family, "fsdp2", world_size=plan.world_size, tp_size=plan.tp_size,
                         ep_size=plan.ep_size)
@@ -53,6 +55,12 @@ def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torc
     ignored: set[nn.Parameter] = set()
     if plan.ep_size > 1:
         model, ignored = keep_experts_local(model, target, world_size=plan.world_size, rank=plan.rank)
+        if expert_storage == "checkpoint":
+            from ds_capture.parallel.packed_grouped_experts import keep_grouped_experts_packed
+
+            keep_grouped_experts_packed(model)
+            kept = {id(q) for q in model.parameters()}  # the replaced stacks are no parameters any more
+            ignored = {p for p in ignored if id(p) in kept}
     mesh = _mesh(plan.world_size, device)
     apply_fsdp(model, target, mesh, ignored_params=ignored)
     load_fsdp_shards(model, target, device=device)
@@ -159,7 +167,7 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
     restore_tensor_layout(model, layout)
     if target.family.is_nemo:  # NeMo's class: the release layout, placed one tensor at a time into the local chunks
-        return _load_nemo_shards(model, target)
+        return _load_nemo_shards(model, target, device)
     compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
     index, key_map, state = checkpoint_sources(model, target)
@@ -189,7 +197,7 @@ def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return local, rows
 
 
-def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
+def _load_nemo_shards(model: nn.Module, target: TargetInfo, device: torch.device) -> LoadStats:
     """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
     from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
@@ -201,6 +209,10 @@ def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
         destinations[name][count:].zero_()
         destinations[name] = destinations[name][:count]
     rows.update({**expert_rows(model), **tables})
+    for name, module in model.named_modules():  # capture.expert_storage: checkpoint (:mod:`.packed_grouped_experts`)
+        if getattr(module, "resident_packed", False):
+            destinations[name], rows[name] = module, (module.first_expert, module.shape[0])
+            module.device = device
     stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

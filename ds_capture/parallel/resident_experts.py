@@ -169,11 +169,12 @@ def refuse_resident_experts(family, storage: str, *, fsdp2_ep: bool = False) -> 
         )
 
 
-def check_expert_storage(storage: str, engine: str, world_size: int) -> None:
-    """``checkpoint`` storage runs on the DeepSpeed engine's layouts (and one process); FSDP2 is refused."""
+def check_expert_storage(storage: str, engine: str, world_size: int, *, ep_size: int = 1) -> None:
+    """``checkpoint`` storage runs on the DeepSpeed engine's layouts (and one process), and on FSDP2's
+    expert-parallel layout (``ep_size`` = the world: the experts are not sharded by FSDP2); plain FSDP2 is refused."""
     if storage not in EXPERT_STORAGES:
         raise CaptureError(f"capture.expert_storage: must be one of {', '.join(EXPERT_STORAGES)}, got {storage!r}.")
-    if storage == "checkpoint" and engine == "fsdp2" and world_size > 1:
+    if storage == "checkpoint" and engine == "fsdp2" and world_size > 1 and ep_size == 1:
         raise CaptureError(
             "capture.expert_storage: checkpoint keeps each rank's routed experts whole in the checkpoint's format, "
             "which FSDP2's dim-0 parameter sharding does not hold. Use engine: deepspeed with distributed.ep_size "

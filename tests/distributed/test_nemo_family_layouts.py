@@ -41,16 +41,22 @@ DTYPES = {"fp32": {"cache_dtype": "fp32", "compute_dtype": "fp32"},
 # K3's fp32 EP cell is slow: its bf16 EP cell (in CI) runs the same split, byte for byte.
 # "fsdp2-ep": engine fsdp2 with ep_size = world (routed experts expert-parallel and ignored by fully_shard, Engram
 # tables row-split, every other parameter sharded): exact, so byte for byte too.
-_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep", 2, 2, "fsdp2")]
-_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"), ("deepseek_v41", "fsdp2-ep", 2, 2, "fsdp2"),
-               *[(m, "fsdp2-ep", 4, 4, "fsdp2") for m in sorted(LAYER_IDS)],
+# "fsdp2-ep-packed": the same with capture.expert_storage: checkpoint (the experts kept packed as released, rebuilt
+# one at a time in the forward): the dequantized path's bytes.
+_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep-packed", 2, 2, "fsdp2")]
+_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"),
+               *[(m, layout, 2, 2, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")
+                 if (m, layout) != ("kimi_k3", "fsdp2-ep-packed")],
+               *[(m, layout, 4, 4, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")],
                *[(m, layout, 2, ep, engine) for m in sorted(LAYER_IDS)
                  for layout, ep, engine in (("dp", 1, "deepspeed"), ("fsdp2", 1, "fsdp2"))]]
 EQUAL_CASES = [*_CI_CASES, *[pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_CASES]]
 REFUSED_CASES = [("kimi_k3", "tp"), pytest.param("deepseek_v41", "tp", marks=pytest.mark.slow)]
 # bf16 EP vs one process, bitwise: K3 in CI (12 s with its reference), V4.1 slow (17 s).
-BF16_CASES = [("kimi_k3", "deepspeed"), pytest.param("deepseek_v41", "deepspeed", marks=pytest.mark.slow),
-              *[pytest.param(m, "fsdp2", marks=pytest.mark.slow) for m in sorted(LAYER_IDS)]]
+BF16_CASES = [("kimi_k3", "deepspeed", "dequantized"),
+              pytest.param("deepseek_v41", "deepspeed", "dequantized", marks=pytest.mark.slow),
+              *[pytest.param(m, "fsdp2", storage, marks=pytest.mark.slow) for m in sorted(LAYER_IDS)
+                for storage in ("dequantized", "checkpoint")]]
 
 
 def _case_id(case) -> str:
@@ -59,12 +65,13 @@ def _case_id(case) -> str:
 
 
 def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_size: int = 1,
-            engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]") -> Path:
+            engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]",
+            expert_storage: str = "dequantized") -> Path:
     recipe = out.parent / f"{out.name}.yaml"
     recipe.write_text(yaml.safe_dump({
         "engine": engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
-        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"]},
+        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"], "expert_storage": expert_storage},
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                             train_split=split, cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype=DTYPES[dtype]["cache_dtype"],
@@ -107,8 +114,9 @@ def single_caches(releases, tmp_path_factory):
 
 
 def _run_layout(release: Path, out: Path, model_type: str, nproc: int, ep_size: int, engine: str, dtype: str,
-                split: str = "train[:8]"):
-    result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split))
+                split: str = "train[:8]", expert_storage: str = "dequantized"):
+    result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split,
+                                 expert_storage=expert_storage))
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     manifest = json.loads((out / "manifest.json").read_text())
@@ -125,24 +133,25 @@ def test_layout_equals_single_process(releases, single_caches, tmp_path, model_t
     reference = single_caches(model_type)
     record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
     out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32")
+    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32",
+                expert_storage="checkpoint" if layout.endswith("-packed") else "dequantized")
     diff = max_rel_diff(reference, out)
     record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                 "nproc": nproc, "tp_size": 1, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)
-    if layout in ("ep", "fsdp2-ep"):  # GroupedExperts' split is exact: the very bytes of one process
+    if layout in ("ep", "fsdp2-ep", "fsdp2-ep-packed"):  # GroupedExperts' split is exact: the very bytes of one process
         assert safetensors_digests(out) == safetensors_digests(reference), (model_type, layout, diff)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model_type, engine", BF16_CASES)
-def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type, engine):
+@pytest.mark.parametrize("model_type, engine, expert_storage", BF16_CASES)
+def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type, engine, expert_storage):
     """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same
     (``fsdp2``: FSDP2's expert-parallel layout, the rest sharded and gathered per block)."""
     reference = single_caches(model_type, "bf16")
     out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, 2, 2, engine, "bf16")
+    _run_layout(releases[model_type], out, model_type, 2, 2, engine, "bf16", expert_storage=expert_storage)
     assert safetensors_digests(out) == safetensors_digests(reference), (model_type, max_rel_diff(reference, out))
 
 
