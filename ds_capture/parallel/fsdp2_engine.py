@@ -11,6 +11,12 @@ Steps (the torchtitan recipe): build on meta (:func:`~ds_capture.target.loading.
 :func:`load_fsdp_shards` fills each local shard from ``safe_open(...).get_slice`` with transformers' own
 checkpoint-name mapping (per-expert ``experts.E.gate_proj.weight`` on disk -> fused ``experts.gate_up_proj``).
 
+Expert-parallel layout (NeMo-built families, ``distributed.ep_size`` = the world): :func:`keep_experts_local` first
+splits the routed experts E/world per rank (:mod:`.grouped_experts`, exact all-to-all routing) and the Engram
+tables by rows (:mod:`.engram_parallel`); ``fully_shard`` leaves those out (``ignored_params``), so they never enter
+an all-gather, and with ``capture.expert_storage: checkpoint`` the experts stay packed as released
+(:mod:`.packed_grouped_experts`). Byte for byte one process's cache (tests/distributed/test_nemo_family_layouts.py).
+
 Every forward all-gathers each layer's parameters: all ranks must call it the same number of times (the
 runner's padding forwards guarantee that), under ``torch.no_grad()`` (gloo collectives fail under
 ``inference_mode``).

@@ -10,8 +10,10 @@ for byte, in fp32 and in bf16 (the same expert selection: a flipped top-k in bf1
 
 Layer ids: V4.1 captures at its feature module (ids ``0..L-1``, ``-1`` refused), K3 through NeMo's generic rule.
 Every outcome is recorded in ``benchmarks/results/support_matrix.json`` under ``DS_CAPTURE_FULL=1`` (the table in
-docs/support.md). CI keeps V4.1's fp32 EP cell, K3's bf16 EP cell and one TP refusal; the rest is ``slow``
-(measured once: every cell 0.0 max relative diff, the EP caches byte-identical).
+docs/support.md). CI keeps V4.1's fp32 EP cell, K3's bf16 EP cell, K3's fp32 cell of FSDP2's expert-parallel layout
+with its MXFP4 experts kept packed (``fsdp2-ep-packed``) and one TP refusal; the rest is ``slow`` (measured once:
+every cell 0.0 max relative diff, the EP caches byte-identical; FSDP2's expert-parallel layout on 2 and 4 ranks,
+dequantized and packed, fp32 and bf16: byte-identical too).
 """
 
 from __future__ import annotations
