@@ -205,11 +205,12 @@ class _Run:
                     "bad rows; nothing was recorded for them. Fix it and rerun.")
             return
         if "row" in record:
-            self.answered = True
+            self.answered = self.answered or record["turns"] > 0  # a row with nothing to rewrite asked nothing
             self.new_rows += 1
             self.new_tokens += record["tokens"]
         self.journal.record(record)
-        self._flush_held_refusals()
+        if self.answered:
+            self._flush_held_refusals()
 
     def _flush_held_refusals(self) -> None:
         """Refusals held back before the first answer are rows' own once one row was answered (or none was
