@@ -217,22 +217,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from ds_capture.demo import resolve_special_path
     from ds_capture.regenerate.client import GenerationSettings, ServerUnavailable
     from ds_capture.regenerate.driver import RegenerateOptions, regenerate
 
-    def stop(signum, frame):  # SIGTERM as Ctrl-C: every finished row is already recorded
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     options = RegenerateOptions(
-        data=resolve_special_path(args.data), output=args.output, url=args.url, split=args.split, shuffle_seed=args.shuffle_seed,
+        data=resolve_special_path(args.data), output=args.output, url=args.url, split=args.split,
+        shuffle_seed=args.shuffle_seed,
         generation=GenerationSettings(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
                                       seed=args.seed),
         concurrency=args.concurrency, max_retries=args.max_retries, timeout_s=args.timeout,
         show_progress=not args.no_progress)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: every finished row is already recorded
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()  # (tests call main from threads)
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
         print(regenerate(options).format())
     except ServerUnavailable as error:
@@ -240,6 +244,9 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
             raise
         print(f"ds-capture regenerate: error: {error}", file=sys.stderr)
         return RERUN_EXIT_CODE
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
