@@ -26,8 +26,9 @@ STOP_TIMEOUT_S = 20.0
 
 
 class TransformersServe:
-    def __init__(self, checkpoint: Path, log_dir: Path, *, threads: int = 1) -> None:
+    def __init__(self, checkpoint: Path, log_dir: Path, *, threads: int = 1, extra_args: tuple[str, ...] = ()) -> None:
         self.model = str(checkpoint)
+        self.extra_args = extra_args  # e.g. ("--continuous-batching",)
         self.log_dir = log_dir
         self.threads = threads
         self.process: subprocess.Popen | None = None
@@ -52,7 +53,7 @@ class TransformersServe:
         self._log = self.log_dir / f"transformers_serve_{self.starts}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port",
-                   str(self.port), "--device", "cpu", "--log-level", "warning", self.model]
+                   str(self.port), "--device", "cpu", "--log-level", "warning", *self.extra_args, self.model]
         with open(self._log, "wb") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
