@@ -1,0 +1,254 @@
+"""The service's driver: one target session, every rank forwarding each batch of requests together.
+
+In: a validated recipe (``cache_kind: eagle3``; output and data keys unused) and the service's options. Out: a
+running service until SIGTERM / Ctrl-C on any rank (every rank leaves at the same tick, exit 0), a client's
+``disconnect`` with ``exit_on_disconnect``, or a dead / frozen rank (:class:`~ds_capture.capture.liveness.Liveness`
+ends every rank, exit 75). Rank 0 listens (:mod:`ds_capture.serve.app`); the target session is
+:mod:`ds_capture.session`'s, as ``run``'s is.
+
+Lockstep, per tick (``tick_s`` while idle): every rank casts its stop ballot (:class:`StopVote`, a collective);
+rank 0 takes the waiting requests one forward can answer (:class:`~ds_capture.serve.scheduler.Scheduler`) and
+broadcasts their shape, then ``input_ids`` and ``attention_mask``; every rank forwards them (a collective for
+sharded engines) and rank 0 turns its captures into each request's answer (:mod:`ds_capture.serve.supervision`).
+An idle service costs two small collectives per tick.
+
+    summary = serve_target(load_config("configs/serve_demo.yaml"), ServeOptions(port=8000))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ds_capture.cache.common.identity import read_target_weights
+from ds_capture.capture.interrupt import StopOnSignal, StopVote
+from ds_capture.capture.progress import collective_device
+from ds_capture.errors import CaptureError
+from ds_capture.parallel.dist import agree_on_error, all_reduce_max_int, discover_env
+from ds_capture.parallel.layout import new_groups
+from ds_capture.recipe.config import RunConfig
+from ds_capture.serve.app import HttpServer, ServiceState, build_app
+from ds_capture.serve.metrics import ServeMetrics
+from ds_capture.serve.scheduler import Job, Scheduler
+from ds_capture.serve.supervision import Supervisor
+from ds_capture.session import (
+    SessionPlan,
+    build_target_model,
+    distributed_target,
+    plan_session,
+    resolve_compute_dtype,
+    target_forward,
+)
+
+_LOG = logging.getLogger("ds_capture")
+
+# The model's own last-position logits must equal lm_head(final norm output) within this (x max |logit|), as in
+# the EAGLE-3 cache kind: summation order across TP ranks aside, a family that post-processes its logits fails.
+_LOGITS_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the service listens and batches (the ``ds-capture serve`` flags)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; 127.0.0.1 unless the operator says otherwise (NeMo's client sends no credentials)."""
+    port: int = 8000
+    """TCP port; 0 picks a free one (logged, and passed to ``on_listening``)."""
+    exit_on_disconnect: bool = False
+    """NeMo's own server's behaviour: stop once a client says ``disconnect`` and nothing is waiting."""
+    max_batch_rows: int = 64
+    """Most rows one request may carry, and one forward may batch from several waiting requests."""
+    batch_requests: bool = True
+    """Let waiting requests of one sequence length share a forward (answers unchanged)."""
+    max_body_mib: float = 256.0
+    """Largest request body accepted (413 above it)."""
+    tick_s: float = 0.05
+    """How long rank 0 waits for a request before the ranks' next stop vote while idle."""
+    log_interval_s: float = 30.0
+    """Seconds between progress lines on rank 0 (0: none)."""
+
+
+@dataclass(frozen=True)
+class ServeSummary:
+    """What one service did (rank 0's counts)."""
+
+    reason: str
+    requests: int
+    forwards: int
+    tokens: int
+    seconds: float
+
+    def format(self) -> str:
+        return (f"ds-capture serve stopped ({self.reason}): {self.requests:,} generate requests in {self.forwards:,} "
+                f"forwards, {self.tokens:,} tokens, {self.seconds:.1f} s up")
+
+
+def serve_target(cfg: RunConfig, options: ServeOptions, *, on_listening=None) -> ServeSummary:
+    """Serve ``cfg``'s target until stopped; every rank of the job calls this (rank 0 listens)."""
+    if cfg.cache_kind != "eagle3":
+        raise CaptureError(f"{cfg.source}: ds-capture serve answers NeMo's EAGLE-3 remote protocol: set "
+                           f"`cache_kind: eagle3` (got {cfg.cache_kind!r}); recipe_args.aux_layer_ids chooses the "
+                           "aux layers.")
+    if options.max_batch_rows < 1 or options.max_body_mib <= 0:
+        raise CaptureError(f"--max-batch-rows ({options.max_batch_rows}) must be >= 1 and --max-body-mib "
+                           f"({options.max_body_mib:g}) > 0.")
+    env = discover_env()
+    # From here on SIGTERM / SIGINT stop every rank at the next tick (exit 0); a second one ends the process at once.
+    with StopOnSignal(announce=env.rank == 0) as stop:
+        session = plan_session(cfg, env)  # every refusal (layout, fit) before anything loads or listens
+        with distributed_target(cfg, env, session.plan):
+            return _serve(cfg, session, stop, options, on_listening)
+
+
+def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: ServeOptions,
+           on_listening) -> ServeSummary:
+    started = time.perf_counter()
+    target, plan = session.target, session.plan
+    compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
+    state, server, error = None, None, None
+    if plan.rank == 0:
+        # Listen before loading (a busy port is refused at once; health answers 503 until every rank loaded).
+        try:
+            embed, lm_head = read_target_weights(target)
+            state = ServiceState(
+                vocab_size=target.vocab_size, max_seq_length=cfg.recipe_args.seq_length,
+                max_rows=options.max_batch_rows,
+                model_info={"num_hidden_layers": target.num_hidden_layers, "hidden_size": target.hidden_size,
+                            "vocab_size": target.vocab_size, "aux_layer_ids": list(session.layer_ids)},
+                embeddings=lambda: {"weight": embed.to(compute_dtype)},
+                scheduler=Scheduler(max_rows=options.max_batch_rows, batch=options.batch_requests),
+                metrics=ServeMetrics(), max_body_bytes=int(options.max_body_mib * 2**20),
+                exit_on_disconnect=options.exit_on_disconnect)
+            server = HttpServer(build_app(state), options.host, options.port)
+            server.start()
+        except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error
+            error = caught
+    agree_on_error(error)
+    try:
+        model = build_target_model(cfg, target, plan, new_groups(plan) if plan.world_size > 1 else None)
+        device = next(model.parameters()).device
+        supervisor = Supervisor(lm_head.to(device, compute_dtype)) if plan.rank == 0 else None
+        all_reduce_max_int(1)  # every rank has loaded the target: only now may health answer 200
+        with target_forward(model, target, session.layer_ids, pre_norm_last=True) as forward:
+            if plan.rank == 0:
+                state.ready.set()
+                state.metrics.ready.set(1)
+                _LOG.info("ds-capture serve: %s on http://%s:%d (world %d: dp %d x tp %d, ep %d; aux layers %s); "
+                          "NeMo recipe_args: target_model_backend: remote, remote_url: http://%s:%d",
+                          target.path, options.host, server.port, plan.world_size, plan.dp_size, plan.tp_size,
+                          plan.ep_size, session.layer_ids, options.host, server.port)
+                if on_listening is not None:
+                    on_listening(server.port)
+            loop = _Lockstep(forward, plan.rank, plan.world_size, device, compute_dtype, state, supervisor,
+                             options)
+            reason = loop.run(stop)
+        if plan.rank == 0:
+            _LOG.info("%s", state.metrics.line())
+        return ServeSummary(reason=reason, requests=loop.requests, forwards=loop.forwards, tokens=loop.tokens,
+                            seconds=time.perf_counter() - started)
+    finally:
+        if state is not None:
+            state.ready.clear()
+            state.metrics.ready.set(0)
+            state.scheduler.close("the service is stopping")
+        if server is not None:
+            server.stop()
+
+
+class _Lockstep:
+    """The per-tick loop of the module docstring (every rank runs one)."""
+
+    def __init__(self, forward, rank: int, world_size: int, device: torch.device, compute_dtype: torch.dtype,
+                 state: ServiceState | None, supervisor: Supervisor | None, options: ServeOptions) -> None:
+        self.forward, self.rank, self.world_size, self.device = forward, rank, world_size, device
+        self.compute_dtype, self.state, self.supervisor, self.options = compute_dtype, state, supervisor, options
+        self.requests = self.forwards = self.tokens = 0
+        self._logits_checked = False
+
+    def run(self, stop: StopOnSignal) -> str:
+        vote = StopVote(stop, lag=0)  # collective on a side group, every rank, every tick
+        next_log = time.monotonic() + self.options.log_interval_s
+        try:
+            while True:
+                if vote.should_stop():
+                    return f"{vote.reason()}"
+                jobs, header = [], None
+                if self.rank == 0:
+                    jobs = self.state.scheduler.take(self.options.tick_s)
+                    if jobs:
+                        header = ("forward", sum(job.request.num_rows for job in jobs), jobs[0].request.seq_length)
+                    elif self.state.exit_on_disconnect and self.state.disconnected.is_set():
+                        header = ("exit",)
+                    if self.options.log_interval_s and time.monotonic() >= next_log:
+                        self.state.metrics.queue_depth.set(self.state.scheduler.depth())
+                        _LOG.info("%s", self.state.metrics.line())
+                        next_log = time.monotonic() + self.options.log_interval_s
+                header = self._broadcast_object(header)
+                if header is None:
+                    continue
+                if header[0] == "exit":
+                    return "a client disconnected (--exit-on-disconnect)"
+                self._step(jobs, header[1], header[2])
+        finally:
+            vote.close()
+
+    def _step(self, jobs: list[Job], rows: int, length: int) -> None:
+        started = time.monotonic()
+        if self.rank == 0:
+            input_ids = torch.cat([job.request.input_ids for job in jobs])
+            attention_mask = torch.cat([job.request.attention_mask for job in jobs])
+        else:
+            input_ids = torch.empty(rows, length, dtype=torch.int64)
+            attention_mask = torch.empty(rows, length, dtype=torch.int64)
+        input_ids, attention_mask = self._broadcast_tensors(input_ids, attention_mask)
+        # NeMo's forward: the client's attention mask, whatever its padding (left padding included).
+        output = self.forward.forward({"input_ids": input_ids.to(self.device),
+                                       "attention_mask": attention_mask.to(self.device)})
+        self.forwards += 1
+        if self.rank != 0:
+            return
+        aux, last = self.forward.hooks.collect(self.compute_dtype)
+        self.forward.hooks.reset()
+        if not self._logits_checked:
+            problem = self.supervisor.check_logits(last, output, _LOGITS_TOLERANCE[self.compute_dtype])
+            if problem is not None:
+                raise CaptureError(f"{problem}; ds-capture serve cannot answer generate for this target.")
+            self._logits_checked = True
+        del output
+        lo = 0
+        for job in jobs:
+            hi = lo + job.request.num_rows
+            try:
+                job.future.set_result(self.supervisor.compute(aux[lo:hi], last[lo:hi], job.request.input_ids,
+                                                              job.request.loss_mask, job.mapping))
+            except Exception as error:  # noqa: BLE001 - this request's answer fails, the service goes on
+                job.future.set_exception(error)
+            lo = hi
+        tokens = sum(job.request.num_tokens for job in jobs)
+        self.requests += len(jobs)
+        self.tokens += tokens
+        waited = sum(started - job.enqueued for job in jobs)
+        self.state.metrics.count_forward(rows=rows, tokens=tokens, seconds=time.monotonic() - started, waited=waited)
+        self.state.metrics.queue_depth.set(self.state.scheduler.depth())
+
+    def _broadcast_object(self, value):
+        if self.world_size == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)  # every rank, every tick
+        return box[0]
+
+    def _broadcast_tensors(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return list(tensors)
+        device = collective_device()
+        out = []
+        for tensor in tensors:
+            tensor = tensor.to(device).contiguous()
+            torch.distributed.broadcast(tensor, src=0)
+            out.append(tensor)
+        return out
