@@ -1,8 +1,8 @@
 """A ``ds-capture serve`` running in the background for a test module, and NeMo's side of the checks.
 
 ``ServiceProcess`` starts the service through a real launcher (one process, or ``torchrun`` ranks) on reserved
-ports (tests/distributed/launchers.py: the HTTP port and the master port, flock-held for its life), waits (bounded)
-for ``GET /health`` to answer 200, and on ``stop()`` sends SIGTERM to the launcher's process group and records the
+ports (tests/distributed/launchers.py: the HTTP port and the master port, flock-held for its life), waits (bounded; or
+later, ``wait=False``: a test can run NeMo meanwhile) for ``GET /health`` to answer 200, and on ``stop()`` sends SIGTERM to the launcher's process group and records the
 exit code and the seconds every rank took to leave; anything left is killed. ``run_nemo(tool, *args)`` runs one of
 tools/nemo_oracle/ in a process of its own (NeMo's import is slow and rewrites transformers' auto mappings) and
 returns its last stdout line as JSON.
@@ -53,7 +53,8 @@ def write_serve_recipe(path: Path, target: Path, *, seq_length: int = 48, **dist
 class ServiceProcess:
     """``ds-capture serve -c recipe`` on ``nproc`` ranks (``single`` or ``torchrun``), until :meth:`stop`."""
 
-    def __init__(self, recipe: Path, *, nproc: int = 1, extra: list[str] = (), start_timeout_s: float = 120) -> None:
+    def __init__(self, recipe: Path, *, nproc: int = 1, extra: list[str] = (), start_timeout_s: float = 120,
+                 wait: bool = True) -> None:
         self._stack = ExitStack()
         self.port = self._stack.enter_context(reserve_ports(1))
         self.master_port = self._stack.enter_context(reserve_ports(1))
@@ -70,11 +71,17 @@ class ServiceProcess:
         self.returncode: int | None = None
         self.stop_seconds: float | None = None
         self.leftover_shm: list[str] = []
-        try:
+        if wait:
             self.wait_healthy(start_timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 120) -> "ServiceProcess":
+        """Until ``GET /health`` answers 200 (the service is stopped, and an AssertionError raised, otherwise)."""
+        try:
+            self._wait_healthy(timeout_s)
         except BaseException:
-            self.stop()
+            self.stop(signal.SIGKILL)
             raise
+        return self
 
     def log(self) -> str:
         if self._final_log is not None:
@@ -88,7 +95,7 @@ class ServiceProcess:
         except httpx.HTTPError:
             return None
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

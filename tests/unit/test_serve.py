@@ -41,15 +41,13 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def service(target, tmp_path_factory):
     recipe = write_serve_recipe(tmp_path_factory.mktemp("serve_recipe") / "serve.yaml", target, seq_length=SEQ_LENGTH)
-    running = ServiceProcess(recipe, extra=["--log-interval", "1", "--max-body-mib", "1"])
-    yield running
-    running.stop(timeout_s=20)
-
-
-@pytest.fixture(scope="module")
-def colocated(target) -> dict:
-    """NeMo's own in-process target: the reference losses."""
-    return run_nemo("train_eagle3.py", "--target", str(target), *TRAIN)
+    running = ServiceProcess(recipe, extra=["--log-interval", "1", "--max-body-mib", "1"], wait=False)
+    try:
+        # NeMo's own in-process target, the reference losses, while the service loads.
+        running.colocated = run_nemo("train_eagle3.py", "--target", str(target), *TRAIN)
+        yield running.wait_healthy()
+    finally:
+        running.stop(timeout_s=20)
 
 
 def _nemo_wire():
@@ -97,9 +95,10 @@ def test_every_endpoint_equals_nemos_own_server(service, target):
     assert sum(r["endpoint"].startswith("generate") for r in verdict["results"]) == 10
 
 
-def test_nemo_trainer_losses_remote_equal_colocated(service, target, colocated):
+def test_nemo_trainer_losses_remote_equal_colocated(service, target):
     """NeMo's TrainEagle3Recipe, one epoch (5 optimizer steps), fp32, fixed seeds: the same losses bit for bit."""
     remote = run_nemo("train_eagle3.py", "--target", str(target), *TRAIN, "--remote-url", service.url)
+    colocated = service.colocated
     assert remote["backend"] == "remote" and remote["steps"] == colocated["steps"] == 5
     assert remote["losses"] == colocated["losses"] and remote["accuracies"] == colocated["accuracies"]
     assert len(set(remote["losses"])) == 5 and all(0 < loss < 20 for loss in remote["losses"])
