@@ -110,6 +110,10 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
     target, plan = session.target, session.plan
     compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     state, server, error = None, None, None
+    if plan.rank == 0 and plan.dp_size > 1 and plan.ep_size == 1:
+        _LOG.warning("the layout has %d data-parallel replicas and no expert parallelism: every rank forwards every "
+                     "request, so each is computed %d times. Start one service per replica and give NeMo all of "
+                     "them (recipe_args.remote_urls) instead (docs/serve.md).", plan.dp_size, plan.dp_size)
     if plan.rank == 0:
         # Listen before loading (a busy port is refused at once; health answers 503 until every rank loaded).
         try:
