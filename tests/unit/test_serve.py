@@ -221,3 +221,36 @@ def test_serve_refuses_a_dspark_recipe(target, tmp_path):
     raw["cache_kind"] = "dspark"
     recipe.write_text(json.dumps(raw))
     assert main(["serve", "-c", str(recipe), "--port", "0"]) == 2
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"distributed": {"tp_size": 2}}, "tp_size"),
+    ({"capture": {"compute_dtype": "fp32", "gpu_memory_gib": 0.0001}}, "Nothing was loaded"),
+], ids=["layout", "fit"])
+def test_plan_check_refuses_a_layout_before_anything_loads(target, tmp_path, monkeypatch, capsys, extra, problem):
+    import yaml
+
+    from ds_capture.cli import main
+    from ds_capture.serve import loop
+
+    monkeypatch.setattr(loop, "build_target_model", lambda *a, **k: pytest.fail("the target started loading"))
+    recipe = write_serve_recipe(tmp_path / "r.yaml", target)
+    raw = yaml.safe_load(recipe.read_text())
+    for key, value in extra.items():
+        raw.setdefault(key, {}).update(value)
+    recipe.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "-c", str(recipe), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds-capture serve: error: ") and problem in err and "Traceback" not in err, err
+
+
+def test_exit_on_disconnect_restores_nemos_behaviour(target, tmp_path):
+    recipe = write_serve_recipe(tmp_path / "serve.yaml", target, seq_length=SEQ_LENGTH)
+    service = ServiceProcess(recipe, extra=["--exit-on-disconnect"])
+    try:
+        assert post(service.url, "heartbeat", b"{}").json() == {"status": "ok"}
+        assert post(service.url, "disconnect", b"{}").json() == {"status": "ok"}
+        assert service.wait(30) == 0, service.log()[-3000:]
+        assert "ds-capture serve stopped (a client disconnected (--exit-on-disconnect))" in service.log()
+    finally:
+        service.stop(signal.SIGKILL)
