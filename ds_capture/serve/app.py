@@ -22,7 +22,7 @@ from ds_capture.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ds_capture.serve.protocol import BadRequest, parse_generate, parse_vocab_mapping
 from ds_capture.serve.scheduler import Job, Scheduler
 from ds_capture.serve.supervision import VocabMapping
-from ds_capture.serve.wire import encode
+from ds_capture.serve.wire import encode, encode_view
 
 OK = b'{"status": "ok"}'
 
@@ -165,7 +165,7 @@ def build_app(state: ServiceState):
             result = await asyncio.wrap_future(future)
         except RuntimeError as stopped:
             return error("generate", 503, f"generate: {stopped}")
-        body = await run_in_threadpool(encode, result)
+        body = await run_in_threadpool(encode_view, result)
         return answer("generate", body, "application/octet-stream")
 
     @app.post("/init_nccl")

@@ -104,6 +104,23 @@ def test_nemo_trainer_losses_remote_equal_colocated(service, target):
     assert len(set(remote["losses"])) == 5 and all(0 < loss < 20 for loss in remote["losses"])
 
 
+@pytest.mark.slow
+def test_two_trainers_at_once_each_train_like_colocated(service, target):
+    """Two NeMo trainers with different draft vocabularies (96 and 200 ids), one with a prefetching client, at
+    once against one service: each gets its own answers, so each trains as it does with its own target."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = ["--draft-vocab-size", "200"]
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(run_nemo, "train_eagle3.py", "--target", str(target), *TRAIN, "--remote-url", service.url,
+                            "--prefetch", "1")
+        second = pool.submit(run_nemo, "train_eagle3.py", "--target", str(target), *TRAIN, *other, "--remote-url",
+                             service.url)
+        first, second = first.result(), second.result()
+    assert first["losses"] == service.colocated["losses"]
+    assert second["losses"] == run_nemo("train_eagle3.py", "--target", str(target), *TRAIN, *other)["losses"]
+
+
 def _batch(rows: int = 2, length: int = 16, **replace) -> bytes:
     ids = torch.randint(0, 300, (rows, length), generator=torch.Generator().manual_seed(rows * 100 + length))
     tensors = {"input_ids": ids, "attention_mask": torch.ones(rows, length, dtype=torch.long),
@@ -244,6 +261,7 @@ def test_plan_check_refuses_a_layout_before_anything_loads(target, tmp_path, mon
     assert err.startswith("ds-capture serve: error: ") and problem in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_exit_on_disconnect_restores_nemos_behaviour(target, tmp_path):
     recipe = write_serve_recipe(tmp_path / "serve.yaml", target, seq_length=SEQ_LENGTH)
     service = ServiceProcess(recipe, extra=["--exit-on-disconnect"])
