@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trainer-rows", type=int, default=64)
     parser.add_argument("--trainer-seq-length", type=int, default=256)
+    parser.add_argument("--trainer-repeats", type=int, default=3, help="0: no trainer figures")
     parser.add_argument("--port", type=int, default=18611)
     args = parser.parse_args()
 
@@ -146,7 +147,7 @@ def main() -> None:
                 serve2_s.append(serve_once(2))
                 serve1_s.append(serve_once(1))
 
-        trainer = _trainer_figures(args, target_dir, url, work, env)
+        trainer = _trainer_figures(args, target_dir, url, work, env) if args.trainer_repeats else None
     finally:
         service.terminate()
         service.wait(30)
@@ -183,7 +184,7 @@ def _trainer_figures(args, target_dir: Path, url: str, work: Path, env: dict) ->
         return json.loads(result.stdout.strip().splitlines()[-1])
 
     colocated, remote, pairs = [], [], []
-    for _ in range(args.repeats):
+    for _ in range(args.trainer_repeats):
         colocated.append(trainer()["steps_per_s"])
         remote.append(trainer("--remote-url", url, "--prefetch", "1")["steps_per_s"])
         both: list[dict] = []
