@@ -65,17 +65,21 @@ class Supervisor:
         B, S = input_ids.shape
         selected = mapping.selected_token_ids.to(last.device)
         member = mapping.selected_token_mask.to(last.device)
+        # The identity (no draft_vocab_size): index_select would only copy the logits.
+        identity = selected.numel() == self.vocab_size and bool(
+            torch.equal(selected, torch.arange(self.vocab_size, device=selected.device)))
         shifted_loss_mask = shift_left(loss_mask)
-        target_probs = torch.empty(B, S, int(selected.numel()), dtype=torch.float32)
-        position_mask = torch.empty(B, S, 1, dtype=torch.bool)
+        probs, masks = [], []
         rows = max(1, LOGITS_CHUNK_BYTES // (S * self.vocab_size * 4))
         for lo in range(0, B, rows):
             hi = min(B, lo + rows)
             logits = shift_left(self.logits(last[lo:hi]))  # [b, S, V]: the only full-vocabulary tensor
-            top = logits.argmax(dim=-1)
-            position_mask[lo:hi] = (member[top].cpu() & shifted_loss_mask[lo:hi].bool()).unsqueeze(-1)
-            target_probs[lo:hi] = torch.softmax(logits.index_select(-1, selected).float(), dim=-1).cpu()
-            del logits, top
+            masks.append((member[logits.argmax(dim=-1)].cpu() & shifted_loss_mask[lo:hi].bool()).unsqueeze(-1))
+            probs.append(torch.softmax((logits if identity else logits.index_select(-1, selected)).float(),
+                                       dim=-1).cpu())
+            del logits
+        target_probs = probs[0] if len(probs) == 1 else torch.cat(probs)
+        position_mask = masks[0] if len(masks) == 1 else torch.cat(masks)
         return {
             "aux_hidden_states": aux.cpu(),
             "target_probs": target_probs,
