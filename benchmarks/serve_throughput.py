@@ -11,7 +11,8 @@ on stdout, every figure side by side from one run (medians of ``--repeats``, int
   first request to the last answer. ``ratio`` = serve (one client) / run (goal >= 0.9).
 - ``trainer``: NeMo 0.7.0's ``TrainEagle3Recipe`` (tools/nemo_oracle/train_eagle3.py, one epoch over
   ``--trainer-rows`` rows) steps/s with ``colocated`` and with ``remote`` (``target_prefetch_depth`` 1) against the
-  service, and two remote trainers at once (their steps/s summed) vs one.
+  service, and two remote trainers at once (their steps/s summed) vs one: both against one service, and each
+  against a service of its own (one URL per data-parallel replica, what docs/serve.md recommends).
 
 Tokens are the rows' non-padding tokens. CPU, fp32; the service, the client and the trainers share this host's
 cores, as they would share a node. Run it with:
@@ -147,7 +148,20 @@ def main() -> None:
                 serve2_s.append(serve_once(2))
                 serve1_s.append(serve_once(1))
 
-        trainer = _trainer_figures(args, target_dir, url, work, env) if args.trainer_repeats else None
+        trainer = None
+        if args.trainer_repeats:
+            # A second service for the one-URL-per-replica figure (NeMo's remote_urls: one service per replica).
+            second_log = open(work / "serve2.log", "wb")
+            second = subprocess.Popen([sys.executable, "-m", "ds_capture", "serve", "-c", str(work / "plan.yaml"),
+                                       "--port", str(args.port + 1), "--log-interval", "0"], env=env,
+                                      stdout=second_log, stderr=subprocess.STDOUT)
+            try:
+                _wait_healthy(f"http://127.0.0.1:{args.port + 1}", second)
+                trainer = _trainer_figures(args, target_dir, url, f"http://127.0.0.1:{args.port + 1}", work, env)
+            finally:
+                second.terminate()
+                second.wait(30)
+                second_log.close()
     finally:
         service.terminate()
         service.wait(30)
@@ -168,7 +182,7 @@ def main() -> None:
     }, indent=2))
 
 
-def _trainer_figures(args, target_dir: Path, url: str, work: Path, env: dict) -> dict:
+def _trainer_figures(args, target_dir: Path, url: str, second_url: str, work: Path, env: dict) -> dict:
     from ds_capture.demo import demo_data_path
 
     data = work / "trainer_rows.jsonl"
@@ -183,23 +197,29 @@ def _trainer_figures(args, target_dir: Path, url: str, work: Path, env: dict) ->
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    colocated, remote, pairs = [], [], []
-    for _ in range(args.trainer_repeats):
-        colocated.append(trainer()["steps_per_s"])
-        remote.append(trainer("--remote-url", url, "--prefetch", "1")["steps_per_s"])
+    def two_at_once(urls: list[str]) -> float:
         both: list[dict] = []
-        threads = [threading.Thread(target=lambda: both.append(trainer("--remote-url", url, "--prefetch", "1")))
-                   for _ in range(2)]
+        threads = [threading.Thread(target=lambda u=u: both.append(trainer("--remote-url", u, "--prefetch", "1")))
+                   for u in urls]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        pairs.append(sum(result["steps_per_s"] for result in both))
+        return sum(result["steps_per_s"] for result in both)
+
+    colocated, remote, pairs, split = [], [], [], []
+    for _ in range(args.trainer_repeats):
+        colocated.append(trainer()["steps_per_s"])
+        remote.append(trainer("--remote-url", url, "--prefetch", "1")["steps_per_s"])
+        pairs.append(two_at_once([url, url]))
+        split.append(two_at_once([url, second_url]))
     return {
         "rows": args.trainer_rows, "seq_length": args.trainer_seq_length, "micro_batch_size": 2,
         "steps_per_epoch": args.trainer_rows // 2,
         "colocated_steps_per_s": _r(colocated), "remote_steps_per_s": _r(remote),
         "two_remote_trainers_total_steps_per_s": _r(pairs),
+        "two_trainers_two_services_total_steps_per_s": _r(split),
+        "two_services_vs_one": round(statistics.median(split) / statistics.median(pairs), 3),
         "remote_vs_colocated": round(statistics.median(remote) / statistics.median(colocated), 3),
         "two_trainers_vs_one": round(statistics.median(pairs) / statistics.median(remote), 3),
     }
