@@ -1,14 +1,16 @@
-"""Command line: ``ds-capture run | serve | plan | verify | inspect | compare`` (also ``python -m ds_capture``).
+"""Command line: ``ds-capture run | serve | plan | verify | inspect | compare | regenerate`` (``python -m ds_capture``).
 
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it. A ``run``
-stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue.
+stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue; so
+does a ``regenerate`` whose server stopped answering.
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture serve -c configs/demo_eagle3.yaml --port 8000 [--host 0.0.0.0] [--exit-on-disconnect]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
+    ds-capture regenerate --data IN.jsonl --output OUT.jsonl --url http://localhost:8000/v1 --model NAME
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 from ds_capture import __version__
 from ds_capture.capture.interrupt import Interrupted
 from ds_capture.errors import RERUN_EXIT_CODE, CaptureError
+from ds_capture.log_setup import configure_logging
 from ds_capture.parallel.dist import AgreedError
+from ds_capture.parallel.torchrun_exit import record_exit_code
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -33,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-capture", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"ds_capture {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show other libraries' warnings (import noise included); DS_CAPTURE_LOG_LEVEL sets "
+                             "their level (default ERROR)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="capture a target's hidden states into a cache")
@@ -44,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="over a cache marked complete, also re-hash every shard against its checksum sidecar "
                           "(finds a changed byte; reads the whole cache) before recomputing only the damaged ones")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                     help="as ds-capture --verbose: also show other libraries' warnings")
 
     serve = sub.add_parser("serve", help="serve the target to NeMo's EAGLE-3 trainer (target_model_backend: remote)")
     serve.add_argument("-c", "--config", required=True, help="YAML recipe with cache_kind: eagle3 (see docs/serve.md)")
@@ -87,16 +96,33 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by cache dtype)")
     compare.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by cache dtype)")
     compare.add_argument("--json", action="store_true", help="print a machine-readable report")
+
+    regenerate = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target, through an "
+                                                   "OpenAI-compatible server (vLLM, SGLang, transformers serve)")
+    regenerate.add_argument("--data", required=True, help="any dataset ds-capture run reads, or demo:conversations")
+    regenerate.add_argument("--output", required=True, type=Path, help="the regenerated dataset (.jsonl)")
+    regenerate.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://localhost:8000/v1")
+    regenerate.add_argument("--model", required=True, help="the model name the server serves")
+    regenerate.add_argument("--max-tokens", type=int, default=1024,
+                            help="most tokens per reply (default 1024); a reply cut there is kept and counted")
+    regenerate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
+    regenerate.add_argument("--seed", type=int, default=None, help="sent with every request (default: none)")
+    regenerate.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    regenerate.add_argument("--split", default=None, help="split expression, as recipe_args.train_split")
+    regenerate.add_argument("--shuffle-seed", type=int, default=42, help="as recipe_args.shuffle_seed (default 42)")
+    regenerate.add_argument("--max-retries", type=int, default=5,
+                            help="retries of a failed request, 0.5 s apart and doubling (default 5)")
+    regenerate.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    regenerate.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING,
-                        format="[ds_capture] %(levelname)s %(message)s")
     from ds_capture.parallel.dist import quiet_deepspeed_accelerator
 
     quiet_deepspeed_accelerator()
+    configure_logging(rank0=_is_rank0(), verbose=args.verbose)
     try:
         return _COMMANDS[args.command](args)
     except CaptureError as error:
@@ -113,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return RERUN_EXIT_CODE
     except KeyboardInterrupt:
         # Ctrl-C before the run installed its handlers (nothing written yet), or in another command.
-        if args.command == "run":
-            print("ds-capture run: interrupted; rerun the same command to continue.", file=sys.stderr)
+        if args.command in ("run", "regenerate"):
+            print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)
             return RERUN_EXIT_CODE
         print(f"ds-capture {args.command}: interrupted.", file=sys.stderr)
         return 130
@@ -129,6 +155,7 @@ def entry() -> None:
     transformers' module graph, which costs 1 to 2 s per process (measured: ``import torch`` alone adds
     0.9 s at exit). The output streams and log handlers are flushed first."""
     code = main()
+    record_exit_code(code)  # read by launch/torchrun.sh's wrapper (torchrun does not report it on a shutdown)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -203,9 +230,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif report.ok:
         print(report.summary())
     else:
-        print(f"{args.cache_dir}: INVALID cache, {len(report.problems)} problem(s):")
-        for problem in report.problems:
-            print(f"  - {problem}")
+        print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
 
@@ -225,7 +250,43 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-_COMMANDS = {"run": _cmd_run, "serve": _cmd_serve, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ds_capture.demo import resolve_special_path
+    from ds_capture.regenerate.client import GenerationSettings, ServerUnavailable
+    from ds_capture.regenerate.driver import RegenerateOptions, regenerate
+
+    options = RegenerateOptions(
+        data=resolve_special_path(args.data), output=args.output, url=args.url, split=args.split,
+        shuffle_seed=args.shuffle_seed,
+        generation=GenerationSettings(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      seed=args.seed),
+        concurrency=args.concurrency, max_retries=args.max_retries, timeout_s=args.timeout,
+        show_progress=not args.no_progress)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: every finished row is already recorded
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()  # (tests call main from threads)
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        print(regenerate(options).format())
+    except ServerUnavailable as error:
+        if args.debug:
+            raise
+        print(f"ds-capture regenerate: error: {error}", file=sys.stderr)
+        return RERUN_EXIT_CODE
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+_COMMANDS = {"run": _cmd_run, "serve": _cmd_serve, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect,
+             "compare": _cmd_compare, "regenerate": _cmd_regenerate}
 
 
 # Recipe headers: the "ds-capture plan says:" block of a recipe in configs/ lists the plan command lines it was

@@ -23,8 +23,8 @@ from typing import Iterator
 
 import torch
 
-from ds_capture.cache.common.files import write_atomic
-from ds_capture.cache.common.names import BOOKKEEPING_DIR
+from ds_capture.cache.common.files import write_atomic, write_run_command, write_skipped_rows
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
@@ -80,6 +80,8 @@ class RunSummary:
     """This rank's writer time spent writing (the rest of the loop it waited for work)."""
     rerun_check: str = ""
     """Rank 0: what the rerun check of a cache marked complete found (empty where it was not marked complete)."""
+    rows_skipped: int = 0
+    """Invalid dataset rows left out (``capture.invalid_rows: skip``), listed in .ds_capture/skipped_rows.json."""
 
     @property
     def padding_fraction(self) -> float:
@@ -91,6 +93,10 @@ class RunSummary:
         return self.num_tokens / self.capture_seconds if self.capture_seconds > 0 else 0.0
 
     def format(self) -> str:
+        return self._format() + (f"; {self.rows_skipped} invalid rows skipped (listed in {BOOKKEEPING_DIR}/"
+                                  f"{SKIPPED_ROWS_NAME})" if self.rows_skipped else "")
+
+    def _format(self) -> str:
         if not self.published:
             checked = f"; {self.rerun_check}" if self.rerun_check else ""
             return (f"{self.output_dir} already holds this complete cache ({self.num_samples} samples{checked}); "
@@ -165,6 +171,8 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             # rank 0's writes that depend on it; a refusal there also reaches every rank at once.
             try:
                 kind.publish(prepared, target, plan, out_dir, restart=restart, verify_checksums=verify_checksums)
+                if plan.is_manifest_writer and not prepared.already_complete:
+                    _record_run(out_dir, prepared)
             except Exception as caught:  # noqa: BLE001 - as above
                 error = caught
             agree_on_error(error)
@@ -192,7 +200,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         return RunSummary(output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False,
-                          rerun_check=prepared.rerun_check)
+                          rerun_check=prepared.rerun_check, rows_skipped=len(prepared.skipped_rows or ()))
 
     if loading is not None:
         model = loading.result()
@@ -242,8 +250,9 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
-            item = kind.micro_batch(batch, forward.hooks, output, writes=plan.is_writer, check_finite=lambda hidden, last: (
-                _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
+            item = kind.micro_batch(batch, forward.hooks, output, writes=plan.is_writer,
+                                    check_finite=lambda hidden, last: (
+                                        _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
             if item is not None:
                 writer.put(item)
             del item
@@ -270,7 +279,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
         capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
-        writer_busy_seconds=writer.busy_seconds,
+        writer_busy_seconds=writer.busy_seconds, rows_skipped=len(prepared.skipped_rows or ()),
     )
 
 
@@ -283,7 +292,8 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
     tokenizer = load_tokenizer(target, trust_remote_code=args.trust_remote_code)
     template = resolve_chat_template(tokenizer, args.chat_template)
     data_path = args.train_data
-    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed)
+    dataset = open_dataset(str(data_path), split=args.train_split, shuffle_seed=args.shuffle_seed,
+                           invalid_rows=cfg.capture.invalid_rows)
     manifest = kind.build_manifest(cfg, target, layer_ids, tokenizer=tokenizer, chat_template=template,
                                    num_samples=len(dataset), plan=plan)
     samples = plan.sample_range(manifest.num_samples, manifest.shard_size)
@@ -300,7 +310,9 @@ def _prepare(cfg: RunConfig, kind: CacheKind, target: TargetInfo, layer_ids: lis
         hi = lo + manifest.shard_rows(index)
         rows_by_shard[index] = (rows.input_ids[lo:hi], rows.loss_mask[lo:hi], rows.num_tokens[lo:hi])
     return _Prepared(manifest=manifest, rows_by_shard=rows_by_shard, pad_id=pad_token_id(tokenizer),
-                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0)
+                     data_path=data_path, max_tokens=int(rows.num_tokens.max()) if len(rows) else 0,
+                     skipped_rows=[row.to_json() for row in dataset.skipped] if cfg.capture.invalid_rows == "skip"
+                     else None, run_command=cfg.command_argv())
 
 
 def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepared", out_dir: Path,
@@ -308,6 +320,17 @@ def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepare
     try:
         kind.prepare_output(prepared, target, out_dir, prepared.data_path, lock, restart=restart,
                             verify_checksums=verify_checksums)
+    except OSError as error:
+        raise output_error(out_dir, error) from error
+
+
+def _record_run(out_dir: Path, prepared: "_Prepared") -> None:
+    """Rank 0, once the kind decided there is work: the run's command (verify's repairs) and the skipped rows."""
+    try:
+        if prepared.run_command is not None:
+            write_run_command(out_dir, prepared.run_command)
+        if prepared.skipped_rows is not None:
+            write_skipped_rows(out_dir, prepared.skipped_rows)
     except OSError as error:
         raise output_error(out_dir, error) from error
 
@@ -335,6 +358,9 @@ class _Prepared:
     done: set = field(default_factory=set)
     already_complete: bool = False
     rerun_check: str = ""
+    run_command: list[str] | None = None
+    skipped_rows: list[dict] | None = None
+    """``capture.invalid_rows: skip``: the rows left out (``SkippedRow.to_json``); None under ``refuse``."""
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,8 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.tp_key_value_heads)
     # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
-    refuse_if_not_fitting(cfg, world_size=env.world_size, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
+    refuse_if_not_fitting(cfg, world_size=env.world_size,
+                          compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
     return SessionPlan(target=target, layer_ids=layer_ids, plan=plan)
 
 

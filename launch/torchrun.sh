@@ -7,5 +7,7 @@ NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-127.0.0.1:29500}
 CONFIG=${CONFIG:?set CONFIG to the run YAML}
-exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" \
-    -m ds_capture run -c "$CONFIG" "$@"
+# torchrun through ds_capture's wrapper: the same arguments, but when every rank of this node stopped with 75
+# (SIGTERM to the job, e.g. preemption) it exits 75 (slurm.sbatch requeues on 75), where torchrun exits 1.
+exec python -m ds_capture.parallel.torchrun_exit --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+    --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" -m ds_capture run -c "$CONFIG" "$@"

@@ -1,11 +1,11 @@
 """A ``ds-capture serve`` running in the background for a test module, and NeMo's side of the checks.
 
 ``ServiceProcess`` starts the service through a real launcher (one process, or ``torchrun`` ranks) on reserved
-ports (tests/distributed/launchers.py: the HTTP port and the master port, flock-held for its life), waits (bounded; or
-later, ``wait=False``: a test can run NeMo meanwhile) for ``GET /health`` to answer 200, and on ``stop()`` sends SIGTERM to the launcher's process group and records the
-exit code and the seconds every rank took to leave; anything left is killed. ``run_nemo(tool, *args)`` runs one of
-tools/nemo_oracle/ in a process of its own (NeMo's import is slow and rewrites transformers' auto mappings) and
-returns its last stdout line as JSON.
+ports (tests/distributed/launchers.py: the HTTP port and the master port, flock-held for its life), waits (bounded)
+for ``GET /health`` to answer 200 (or later, ``wait=False``: a test can run NeMo meanwhile), and on ``stop()``
+sends a signal to every rank and records the exit code and the seconds every rank took to leave; anything left is
+killed. ``run_nemo(tool, *args)`` runs one of tools/nemo_oracle/ in a process of its own (NeMo's import is slow and
+rewrites transformers' auto mappings) and returns its last stdout line as JSON.
 """
 
 from __future__ import annotations

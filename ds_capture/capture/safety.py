@@ -235,14 +235,16 @@ def _default_store():
         return None
 
 
-def input_fingerprints(data_path: Path, tokenizer_dir: Path) -> dict[str, str]:
-    """sha256 of the dataset's bytes (a file, or every file of a directory) and of the tokenizer files."""
+def input_fingerprints(data_path: Path, tokenizer_dir: Path, *, invalid_rows: str = "refuse") -> dict[str, str]:
+    """sha256 of the dataset's bytes (a file, or every file of a directory) and of the tokenizer files, and
+    ``capture.invalid_rows`` (which rows of that dataset the cache holds)."""
     tokenizer_files = [tokenizer_dir / name for name in (
         "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
         "tokenizer.model", "chat_template.jinja", "chat_template.json")]
     return {
         "train_data_sha256": _hash_paths(_files_of(data_path)),
         "tokenizer_sha256": _hash_paths([p for p in tokenizer_files if p.is_file()]),
+        "invalid_rows": invalid_rows,
     }
 
 

@@ -6,6 +6,12 @@ Out: ``open_dataset`` -> :class:`ChatRows`: the number of selected rows and ``co
      which returns the normalised :class:`~ds_capture.data.messages.Conversation` of rows ``start..stop`` in cache
      order. ``read_conversations`` is ``open_dataset(...).conversations()``.
 
+Invalid rows (a JSONL line that is not JSON or not UTF-8, a row whose shape NeMo refuses) are refused, the
+first one named, unless ``invalid_rows="skip"`` (``capture.invalid_rows: skip``): then they are left out, each
+kept as a :class:`SkippedRow` (where it is, and the very message the refusal would have given), and the handle
+holds the valid rows only, in the same order. Rows refused later, at tokenization (a chat template that fails
+on a row), still refuse the run.
+
 ``open_dataset`` validates every selected row once, one row in memory at a time (a JSONL keeps only the byte
 offset of each line; a ``datasets`` table stays memory-mapped), so every rank raises the same first error
 and no rank holds the whole dataset; ``conversations`` then parses only its range again. Orders follow NeMo
@@ -40,6 +46,23 @@ _FORMATS_HINT = (
 _HF_BATCH = 2048  # rows per Arrow -> Python conversion while streaming a `datasets` table
 
 
+INVALID_ROWS = ("refuse", "skip")
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row ``capture.invalid_rows: skip`` left out: where it is and the refusal it would have raised."""
+
+    where: str
+    """``<path> line N`` (JSONL: the file's line number) or ``<path> row N`` (JSON list, datasets: 1-based)."""
+    reason: str
+    """The refusal's message, word for word."""
+
+    def to_json(self) -> dict[str, Any]:
+        unit, number = re.search(r" (line|row) (\d+)$", self.where).groups()
+        return {unit: int(number), "where": self.where, "reason": self.reason}
+
+
 @dataclass
 class ChatRows:
     """The selected rows of one dataset, validated; ``conversations`` re-reads a range of them."""
@@ -49,6 +72,8 @@ class ChatRows:
     _read: Callable[[int, int], Iterator[tuple[str, Any]]] = field(repr=False)
     validated: bool = False
     """Every selected row was already normalised once while the file was scanned."""
+    skipped: list[SkippedRow] = field(default_factory=list)
+    """Invalid rows left out (``invalid_rows="skip"``), in dataset order; they are not among ``num_rows``."""
 
     def __len__(self) -> int:
         return self.num_rows
@@ -57,7 +82,25 @@ class ChatRows:
         """Rows ``start..stop`` (cache order), normalised again (they were validated by ``open_dataset``)."""
         stop = self.num_rows if stop is None else min(stop, self.num_rows)
         dropped = DroppedParts()  # counted and warned about once, by open_dataset
-        return [normalize_row(row, where, dropped) for where, row in self._read(start, stop)]
+        return [_normalize(row, where, dropped) for where, row in self._read(start, stop)]
+
+    def raw_rows(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[str, Any]]:
+        """Rows ``start..stop`` (cache order) as parsed, unnormalised, each with its place ("<file> line N"),
+        one at a time (``ds-capture regenerate`` keeps a row's other fields)."""
+        return self._read(start, self.num_rows if stop is None else min(stop, self.num_rows))
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A JSONL line that is not JSON (or not UTF-8): read as a row that refuses with ``error``."""
+
+    error: CaptureError
+
+
+def _normalize(row: Any, where: str, dropped: DroppedParts) -> Conversation:
+    if isinstance(row, _Unreadable):
+        raise row.error
+    return normalize_row(row, where, dropped)
 
 
 def read_conversations(path: str, *, split: str | None, shuffle_seed: int) -> list[Conversation]:
@@ -65,8 +108,11 @@ def read_conversations(path: str, *, split: str | None, shuffle_seed: int) -> li
     return open_dataset(path, split=split, shuffle_seed=shuffle_seed).conversations()
 
 
-def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows:
-    """Validate every selected row (streaming; the first bad row raises) and return a re-readable handle."""
+def open_dataset(path: str, *, split: str | None, shuffle_seed: int, invalid_rows: str = "refuse") -> ChatRows:
+    """Validate every selected row (streaming) and return a re-readable handle: the first invalid row raises,
+    or with ``invalid_rows="skip"`` every invalid row is left out and listed in ``ChatRows.skipped``."""
+    assert invalid_rows in INVALID_ROWS, invalid_rows
+    skip = invalid_rows == "skip"
     source = Path(path)
     if not source.exists():
         raise CaptureError(
@@ -75,7 +121,7 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows
     suffix = source.suffix.lower()
     dropped = DroppedParts()
     if source.is_file() and suffix in JSONL_SUFFIXES:
-        rows = _jsonl_rows(source, path, split, dropped)
+        rows = _jsonl_rows(source, path, split, dropped, skip=skip)
     elif source.is_file() and suffix == ".json":
         rows = _json_rows(source, path, split)
     elif source.is_dir() or suffix == ".parquet":
@@ -85,31 +131,74 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int) -> ChatRows
     if not rows.num_rows:
         chosen = f" after applying split {split!r}" if split else ""
         raise CaptureError(f"{path}: the dataset has no rows{chosen}. Add rows to the dataset or widen the split.")
-    if not rows.validated:
+    if skip:
+        rows = _without_invalid_rows(rows, dropped)
+    elif not rows.validated:
         for where, row in rows._read(0, rows.num_rows):
-            normalize_row(row, where, dropped)
+            _normalize(row, where, dropped)
     dropped.warn()
     return rows
+
+
+def _without_invalid_rows(rows: ChatRows, dropped: DroppedParts) -> ChatRows:
+    """The valid rows of ``rows`` (same order), the invalid ones listed; refused if none is valid."""
+    skipped, bad = [], set()
+    for position, (where, row) in enumerate(rows._read(0, rows.num_rows)):
+        try:
+            _normalize(row, where, dropped)
+        except CaptureError as error:
+            skipped.append(SkippedRow(where, str(error)))
+            bad.add(position)
+    if len(bad) == rows.num_rows:
+        raise CaptureError(
+            f"{rows.path}: all {rows.num_rows} selected rows are invalid, so capture.invalid_rows: skip leaves "
+            f"nothing to capture. The first: {skipped[0].reason}"
+        )
+    kept = [position for position in range(rows.num_rows) if position not in bad]
+
+    def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
+        if start >= stop:
+            return
+        # Valid rows start..stop sit between their underlying positions: read that span, drop the invalid.
+        low, high = kept[start], kept[stop - 1] + 1
+        for position, item in zip(range(low, high), rows._read(low, high)):
+            if position not in bad:
+                yield item
+
+    return ChatRows(path=rows.path, num_rows=len(kept), _read=read, validated=True, skipped=skipped)
 
 
 # ----------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts) -> ChatRows:
+def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts, *, skip: bool) -> ChatRows:
     """One pass records where each row's line starts (8 bytes a row) and, without a split (every row is
-    selected), validates each row as it goes; rows are parsed again when read."""
+    selected) and without ``skip``, validates each row as it goes; rows are parsed again when read. With
+    ``skip`` a line that is not UTF-8 is a row too (piece -1), which reads as its refusal."""
     offsets, pieces, numbers = array("q"), array("l"), array("q")
+    undecodable: dict[int, CaptureError] = {}
     number = 0
     with source.open("rb") as handle:
         offset = 0
         for raw in handle:
-            text = _decode(raw, source, offset, number + 1)
+            try:
+                text = _decode(raw, source, offset, number + 1)
+            except CaptureError as error:
+                if not skip:
+                    raise
+                number += 1
+                undecodable[number] = error
+                offsets.append(offset)
+                pieces.append(-1)
+                numbers.append(number)
+                offset += len(raw)
+                continue
             # NeMo splits the decoded file with str.splitlines (U+2028 and friends end a line too).
             lines = text.splitlines()
             for piece, line in enumerate(lines):
                 number += 1
                 if line.strip():
-                    if split is None:
+                    if split is None and not skip:
                         row = _parse_line(line, source, number, broken=len(lines) > 1)
                         normalize_row(row, f"{path} line {number}", dropped)
                     offsets.append(offset)
@@ -121,11 +210,18 @@ def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedPart
     def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
         with source.open("rb") as handle:
             for k in order[start:stop]:
+                if pieces[k] < 0:
+                    yield f"{path} line {numbers[k]}", _Unreadable(undecodable[numbers[k]])
+                    continue
                 handle.seek(offsets[k])
-                line = handle.readline().decode("utf-8").splitlines()[pieces[k]]
-                yield f"{path} line {numbers[k]}", _parse_line(line, source, numbers[k])
+                lines = handle.readline().decode("utf-8").splitlines()
+                try:
+                    row = _parse_line(lines[pieces[k]], source, numbers[k], broken=len(lines) > 1)
+                except CaptureError as error:
+                    row = _Unreadable(error)
+                yield f"{path} line {numbers[k]}", row
 
-    return ChatRows(path=path, num_rows=len(order), _read=read, validated=split is None)
+    return ChatRows(path=path, num_rows=len(order), _read=read, validated=split is None and not skip)
 
 
 def _decode(raw: bytes, source: Path, offset: int, number: int) -> str:

@@ -19,7 +19,7 @@ import json
 import logging
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -203,6 +203,11 @@ class CaptureOptions:
     nan_policy: str = "fail"
     """``fail``: NaN/Inf in a captured state stops the run naming the sample. ``record``: the sample is
     written with zero states and loss_mask, and listed in .ds_capture/nonfinite_samples.json."""
+    invalid_rows: str = "refuse"
+    """A dataset row NeMo refuses (not JSON, not UTF-8, a shape its reader rejects): ``refuse`` stops the run
+    naming the first one; ``skip`` leaves every such row out, captures the valid rows (``num_samples`` counts
+    them), and lists each skipped row with the refusal's reason in ``.ds_capture/skipped_rows.json``. Part of the
+    cache's identity: a rerun with the other setting over the same directory is refused."""
     metrics_interval_steps: int = 8
     """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
     gpu_memory_gib: float | None = None
@@ -226,6 +231,8 @@ class CaptureOptions:
             raise ValueError(f"must be >= 0, got {self.pad_to_multiple_of}", "pad_to_multiple_of")
         if self.writer_buffer_mib < 0:
             raise ValueError(f"must be >= 0, got {self.writer_buffer_mib}", "writer_buffer_mib")
+        if self.invalid_rows not in ("refuse", "skip"):
+            raise ValueError(f"must be 'refuse' or 'skip', got {self.invalid_rows!r}", "invalid_rows")
         if self.nan_policy not in ("fail", "record"):
             raise ValueError(f"must be 'fail' or 'record', got {self.nan_policy!r}", "nan_policy")
         if self.gpu_memory_gib is not None and self.gpu_memory_gib < 0:
@@ -250,7 +257,19 @@ class RunConfig:
     """The DeepSpeed config: a path (relative to the YAML file) or an inline mapping; loaded here."""
     source: str = "<config>"
     """The YAML file this came from (for messages)."""
+    overrides: tuple[str, ...] = ()
+    """The ``--set dotted.key=value`` overrides applied to it (with ``source``: the command that made a cache)."""
     deepspeed_config_source: str = "<inline deepspeed_config>"
+
+    def command_argv(self) -> list[str] | None:
+        """``ds-capture run -c <the recipe's absolute path> [--set ...]``: the command that runs this config
+        (None for a config built in code, which no command reproduces)."""
+        if not Path(self.source).is_file():
+            return None
+        argv = ["ds-capture", "run", "-c", str(Path(self.source).resolve())]
+        for override in self.overrides:
+            argv += ["--set", override]
+        return argv
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -318,7 +337,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise CaptureError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}.")
     for override in overrides:
         _apply_override(raw, override, path)
-    return parse_config(raw, source=str(path), base_dir=path.parent)
+    return replace(parse_config(raw, source=str(path), base_dir=path.parent), overrides=tuple(overrides))
 
 
 def parse_config(raw: Mapping[str, Any], *, source: str, base_dir: Path) -> RunConfig:

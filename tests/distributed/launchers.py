@@ -196,6 +196,12 @@ def launcher_commands(kind: str, nproc: int, argv: list[str], port: int, workdir
     if kind == "torchrun":
         return [[python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                  "127.0.0.1", "--master_port", str(port), *argv]]
+    if kind == "torchrun_script":  # launch/torchrun.sh: argv is `-m ds_capture run ... -c CFG ...`
+        config = argv[argv.index("-c") + 1]
+        rest = [arg for arg in argv[argv.index("run") + 1:] if arg not in ("-c", config)]
+        return [["env", f"PATH={Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}", f"NPROC={nproc}",
+                 f"RDZV_ENDPOINT=127.0.0.1:{port}", f"CONFIG={config}", "bash", str(REPO_ROOT / "launch" / "torchrun.sh"),
+                 *rest]]
     if kind == "mpirun":
         return [["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(nproc),
                  "-x", f"MASTER_PORT={port}", python, *argv]]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -12,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from safetensors.torch import load_file
+
+from ds_capture.cache.dspark.format import Manifest
+from ds_capture.cache.dspark.writer import write_shard
 from ds_capture.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,9 +86,12 @@ def test_verify_corrupted_copy_exits_1_and_lists_problems(good_cache, tmp_path, 
     capsys.readouterr()
     assert main(["verify", str(cache)]) == 1
     lines = capsys.readouterr().out.splitlines()
+    rerun = (f"ds-capture run -c {good_cache.parent / 'recipe.yaml'} --set recipe_args.seq_length=24 "
+             f"--set recipe_args.cache_output_dir={cache}")  # the run's recorded command, pointed at the copy
     assert lines[0] == f"{cache}: INVALID cache, 2 problem(s):"
-    assert lines[1].startswith("  - manifest.json has complete: false")
-    assert lines[2] == "  - missing shards: shard-000001.safetensors (expected shard-000000 .. shard-000001.safetensors)"
+    assert lines[1].startswith("  - manifest.json has complete: false") and lines[1].endswith(f"; repair: {rerun}")
+    assert lines[2] == ("  - missing shards: shard-000001.safetensors (expected shard-000000 .. "
+                        f"shard-000001.safetensors); repair: {rerun}")
     assert main(["verify", str(cache), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and len(report["problems"]) == 2
@@ -95,9 +105,51 @@ def test_verify_flipped_shard_byte_is_caught_by_checksums(good_cache, tmp_path, 
     shard.write_bytes(bytes(data))
     capsys.readouterr()
     assert main(["verify", str(cache), "--checksums"]) == 1
-    out = capsys.readouterr().out
-    assert out.startswith(f"{cache}: INVALID cache, ")
-    assert "shard-000000.safetensors" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{cache}: INVALID cache, 2 problem(s):"
+    repair = (f"ds-capture run -c {good_cache.parent / 'recipe.yaml'} --set recipe_args.seq_length=24 "
+              f"--set recipe_args.cache_output_dir={cache} --verify-checksums")
+    # The byte also breaks a value rule; its checksum says it changed after it was written: the same repair.
+    assert lines[1] == ("  - shard-000000.safetensors: the last feature slice of target_hidden_states (layer 3, the "
+                        f"post-norm output) differs from target_last_hidden_states; repair: {repair}")
+    assert re.fullmatch(r"  - shard-000000\.safetensors: xxh3-128-rows [0-9a-f]{32} differs from the recorded "
+                        r"[0-9a-f]{32}: the file changed after it was written; repair: (.*)", lines[2]).group(1) == repair
+
+    # verify and run no longer disagree silently: a plain rerun keeps the shard (it checks headers and sizes),
+    # the printed repair recomputes it.
+    assert main(shlex.split(repair)[1:-1] + ["--no-progress"]) == 0
+    assert main(["verify", str(cache), "--checksums"]) == 1
+    capsys.readouterr()
+    assert main(shlex.split(repair)[1:] + ["--no-progress"]) == 0
+    assert f"captured 6 samples into {cache}: 1 shards written, 1 already done" in capsys.readouterr().out
+    assert main(["verify", str(cache), "--checksums"]) == 0
+    assert (cache / "shard-000000.safetensors").read_bytes() == (good_cache / "shard-000000.safetensors").read_bytes()
+
+
+def test_verify_names_the_repair_of_each_problem(good_cache, tmp_path, capsys):
+    """Each INVALID line ends with the command that repairs it: a plain rerun for a missing or truncated shard,
+    the shard deleted first where its values are wrong (a rerun's header check keeps it), --restart for the
+    weights file of a complete cache (a rerun keeps it), and a placeholder where no command was recorded."""
+    cache = writable_copy(good_cache, tmp_path)
+    rerun = (f"ds-capture run -c {good_cache.parent / 'recipe.yaml'} --set recipe_args.seq_length=24 "
+             f"--set recipe_args.cache_output_dir={cache}")
+    shard0, shard1 = cache / "shard-000000.safetensors", cache / "shard-000001.safetensors"
+    shard1.write_bytes(shard1.read_bytes()[:-8])
+    tensors = load_file(shard0)
+    tensors["loss_mask"][0, 0] = 3
+    write_shard(cache, 0, tensors, Manifest.from_json((cache / "manifest.json").read_text(), "manifest.json"))
+    (cache / "target_weights.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["verify", str(cache)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.rpartition("; repair: ")[2] for line in lines[1:]] == [
+        f"rm {shard0} && {rerun}", rerun, f"{rerun} --restart"], lines
+    assert lines[1].startswith("  - shard-000000.safetensors: loss_mask holds values other than 0/1: [3]")
+    assert lines[2].startswith("  - shard-000001.safetensors: unreadable safetensors file (")
+
+    (cache / ".ds_capture" / "run_command.json").unlink()  # a cache of an earlier version, or NeMo's own
+    assert main(["verify", str(cache)]) == 1
+    assert capsys.readouterr().out.splitlines()[2].endswith("; repair: ds-capture run -c <the recipe that wrote it>")
 
 
 def test_verify_of_a_non_cache_is_exit_1(tmp_path, capsys):
@@ -175,3 +227,36 @@ def test_python_m_user_error_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith(f"ds-capture run: error: {recipe}: ")
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_prints_only_its_own_lines_unless_asked_for_more(tiny_target, tmp_path):
+    """Other libraries' import noise (with the nemo extra: torchao's "Failed to load ...", "Detected no triton",
+    torch's pytree W-lines) is not printed; a warning about the user's own recipe is; --verbose shows the rest."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "recipe_args:\n"
+        f"  target_model_name_or_path: {tiny_target('qwen3')}\n"
+        "  train_data_path: demo:conversations\n"
+        "  train_split: train[:2]\n"
+        f"  cache_output_dir: {tmp_path / 'quiet'}\n"
+        "  seq_length: 16\n"
+        "  cache_shard_size: 2\n"
+        "  target_force_hf: true\n"
+    )
+    environment = {"DS_CAPTURE_LOG_LEVEL": "", "TRANSFORMERS_VERBOSITY": ""}
+    quiet = run_module("run", "-c", str(recipe), "--no-progress", **environment)
+    assert quiet.returncode == 0, quiet.stderr
+    lines = quiet.stderr.splitlines()
+    assert [line for line in lines if not line.startswith("[ds_capture] WARNING ")] == [], quiet.stderr
+    assert "Failed to load" not in quiet.stderr and "triton" not in quiet.stderr, quiet.stderr
+    assert (f"[ds_capture] WARNING {recipe}: `recipe_args.target_force_hf` is a NeMo backend setting; it does not "
+            "apply to ds_capture and is ignored.") in lines
+    assert any("train_split 'train[:2]' selects 2 of its 300" in line for line in lines), lines
+    assert quiet.stdout.startswith(f"captured 2 samples into {tmp_path / 'quiet'}: 1 shards written")
+
+    verbose = run_module("run", "-c", str(recipe), "--no-progress", "--verbose",
+                         "--set", f"recipe_args.cache_output_dir={tmp_path / 'verbose'}", **environment)
+    assert verbose.returncode == 0, verbose.stderr
+    assert set(lines) <= set(verbose.stderr.splitlines())
+    if importlib.util.find_spec("torchao") is not None:  # the nemo extra: the noise this test is about
+        assert "[torchao] WARNING Failed to load " in verbose.stderr, verbose.stderr

@@ -353,3 +353,40 @@ def test_raw_unicode_line_separator_splits_the_line_as_nemo_does(tmp_path):
     escaped = tmp_path / "e.jsonl"
     escaped.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"}, A]}) + "\n")
     assert read_conversations(str(escaped), split=None, shuffle_seed=0)[0][0]["content"] == "a\u2028b"
+
+
+def _row(n: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": f"a{n}"}]}
+
+
+@pytest.mark.parametrize("fmt, split", [("jsonl", None), ("jsonl", "train[1:5]"), ("json", None)])
+def test_skip_keeps_the_valid_rows_in_order_and_names_the_others(tmp_path, fmt, split):
+    """``invalid_rows="skip"``: the valid rows, in the order ``refuse`` reads a file of only them; each invalid
+    row is listed with the message ``refuse`` raises for it (a split selects first, then invalid rows drop)."""
+    from ds_capture.data.reading import open_dataset
+
+    rows = [_row(0), {"messages": [{"role": "robot", "content": "x"}]}, _row(2), {"text": "no messages"}, _row(4),
+            _row(5)]
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        path.write_text(json.dumps(rows))
+    skipping = open_dataset(str(path), split=split, shuffle_seed=0, invalid_rows="skip")
+    selected = range(1, 5) if split else range(6)
+    valid = [n for n in selected if n not in (1, 3)]
+    assert [c.where for c in skipping.conversations()] == [
+        f"{path} {'line' if fmt == 'jsonl' else 'row'} {n + 1}" for n in valid]
+    assert [c.where for c in skipping.conversations(1, 2)] == [skipping.conversations()[1].where]
+    unit = "line" if fmt == "jsonl" else "row"
+    expected = []
+    for n in (1, 3):
+        lone = tmp_path / f"lone{n}.json"
+        lone.write_text(json.dumps([rows[n]]))
+        with pytest.raises(CaptureError) as refusal:
+            open_dataset(str(lone), split=None, shuffle_seed=0)
+        expected.append({unit: n + 1, "where": f"{path} {unit} {n + 1}",
+                         "reason": str(refusal.value).replace(f"{lone} row 1", f"{path} {unit} {n + 1}")})
+    assert [row.to_json() for row in skipping.skipped] == expected
+    with pytest.raises(CaptureError, match=rf"{path} {unit} 2: message 1 has unknown role 'robot'"):
+        open_dataset(str(path), split=split, shuffle_seed=0)

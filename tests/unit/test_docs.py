@@ -138,3 +138,22 @@ def test_plan_text_example_is_plans_output(monkeypatch, capsys):
     command = re.search(r"\(`(ds-capture plan -c configs/glm5\.yaml [^`]*)`\)", text).group(1)
     main(command.split()[1:])
     assert _code_block(text, "ds-capture plan configs/glm5.yaml") == capsys.readouterr().out
+
+
+_DRAFTERS = {"DSpark": "train_dspark", "EAGLE-3": "train_eagle3", "DFlash": "train_dflash"}
+
+
+def test_the_readme_says_which_nemo_trainers_read_the_cache():
+    """The first paragraph names a drafter as served only where NeMo 0.7.0's trainer for it reads a cache
+    (``recipe_args.cached_target_path``); one whose trainer does not is said to read none."""
+    spec = importlib.util.find_spec("nemo_automodel")
+    if spec is None:
+        pytest.skip("nemo_automodel is not installed (the nemo extra): its trainers are the contract")
+    recipes = Path(spec.origin).parent / "recipes" / "llm"
+    first = README.read_text().split("\n\n")[1]
+    served = re.search(r"drafter \(([^)]*)\) learns from", first).group(1).split(", ")
+    for drafter, recipe in _DRAFTERS.items():
+        reads_cache = "cached_target_path" in (recipes / f"{recipe}.py").read_text()
+        assert (drafter in served) == reads_cache, (drafter, recipe, reads_cache)
+        if not reads_cache:
+            assert f"`{recipe}`" in first and "no DFlash trainer reads a cache" in first

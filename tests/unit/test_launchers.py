@@ -112,3 +112,21 @@ def test_other_failures_are_not_retried():
     assert (result.returncode, result.attempts) == (2, 1)
     assert not launchers.start_failed_on_port(result)
     assert launchers.start_failed_on_port(subprocess.CompletedProcess([], 1, "... name: EADDRINUSE, message: ...", ""))
+
+
+def test_torchrun_wrapper_exits_75_only_when_every_rank_of_the_node_recorded_75(tmp_path, monkeypatch):
+    from ds_capture.parallel.torchrun_exit import EXIT_DIR_ENV, ranks_stopped_to_rerun, record_exit_code
+
+    monkeypatch.setenv(EXIT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not ranks_stopped_to_rerun(tmp_path)  # no rank said anything: torchrun's own code stands
+    for rank, code in ((0, 75), (1, 75)):
+        monkeypatch.setenv("RANK", str(rank))
+        record_exit_code(code)
+    assert (tmp_path / "rank-1").read_text() == "75 2\n"
+    assert ranks_stopped_to_rerun(tmp_path)
+    (tmp_path / "rank-1").unlink()  # one rank never got to record (killed): not a clean stop of the node
+    assert not ranks_stopped_to_rerun(tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    record_exit_code(2)
+    assert not ranks_stopped_to_rerun(tmp_path)

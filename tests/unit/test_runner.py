@@ -24,6 +24,7 @@ from ds_capture.runner import run_capture
 
 FIXTURE_CACHES = ("cache_fp32", "cache_bf16_plain_masked")
 PATH_FIELDS = ("target_model", "train_data_path")
+REPO_DATA = Path(__file__).resolve().parents[2] / "ds_capture" / "demo_data" / "conversations.jsonl"
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -443,3 +444,78 @@ def test_bad_row_leaves_an_existing_cache_unchanged(base_run, tmp_path, write_re
     assert main(["run", "-c", str(recipe), "--no-progress"]) == 2
     assert "line 1: message 1 has unknown role 'robot'" in capsys.readouterr().err
     assert hash_tree(work) == before
+
+
+# ------------------------------------------------------------------------------- capture.invalid_rows: skip
+
+BAD_LINES = {  # line number -> (the line's bytes, the refusal it gives)
+    2: (b'{"messages": [}', "{data} line 2: not valid JSON (Expecting value at column 15). Each line of a JSONL "
+                            "file must be one JSON object; fix or delete this line."),
+    4: (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(),
+        "{data} line 4: message 1 has unknown role 'robot'. Valid roles: system, user, assistant, tool."),
+    7: (b'{"messages": "caf\xe9"}', "{data} line 7: not valid UTF-8 (byte 0xe9 at byte {offset} of the file). "
+                                    "Datasets must be UTF-8 text; re-encode the file (e.g. iconv -f <encoding> -t "
+                                    "utf-8) or delete the line."),
+}
+
+
+def test_invalid_rows_skip_captures_the_valid_rows_and_lists_the_others(tiny_target, write_recipe, tmp_path, capsys):
+    """``capture.invalid_rows: skip``: the cache holds exactly what a run over the valid rows alone writes (NeMo
+    reads it, num_samples the valid count), the summary counts the skipped rows, skipped_rows.json lists each with
+    the refusal's own words (``refuse`` gives the first of them), and the setting is part of the cache's identity."""
+    good = [line.encode() for line in (REPO_DATA.read_text().splitlines()[:7])]
+    lines, clean, bad_offsets = [], [], {}
+    for number in range(1, 11):
+        if number in BAD_LINES:
+            bad_offsets[number] = sum(len(line) + 1 for line in lines)
+            lines.append(BAD_LINES[number][0])
+        else:
+            lines.append(good[len(clean)])
+            clean.append(lines[-1])
+    data, clean_data = tmp_path / "data.jsonl", tmp_path / "clean.jsonl"
+    data.write_bytes(b"".join(line + b"\n" for line in lines))
+    clean_data.write_bytes(b"".join(line + b"\n" for line in clean))
+    reasons = [BAD_LINES[n][1].format(data=data, offset=bad_offsets[n] + 17) for n in sorted(BAD_LINES)]
+    args = dict(target_model_name_or_path=str(tiny_target("qwen3")), seq_length=32, micro_batch_size=2,
+                cache_shard_size=4, cache_dtype="fp32")
+    out, reference = tmp_path / "skip", tmp_path / "reference"
+    recipe = write_recipe({"recipe_args": {**args, "train_data_path": str(data), "cache_output_dir": str(out)}})
+
+    capsys.readouterr()
+    assert main(["run", "-c", str(recipe), "--no-progress"]) == 2  # refuse (the default) names the first bad row
+    assert capsys.readouterr().err == f"ds-capture run: error: {reasons[0]}\n"
+    assert main(["run", "-c", str(recipe), "--no-progress", "--set", "capture.invalid_rows=skip"]) == 0
+    summary = capsys.readouterr().out
+    assert summary.startswith(f"captured 7 samples into {out}: 2 shards written")
+    assert summary.endswith("; 3 invalid rows skipped (listed in .ds_capture/skipped_rows.json)\n")
+    assert json.loads((out / ".ds_capture" / "skipped_rows.json").read_text()) == {"num_rows_skipped": 3, "rows": [
+        {"line": n, "where": f"{data} line {n}", "reason": reason} for n, reason in zip(sorted(BAD_LINES), reasons)]}
+
+    clean_recipe = write_recipe({"recipe_args": {**args, "train_data_path": str(clean_data),
+                                                 "cache_output_dir": str(reference)}}, name="clean.yaml")
+    assert main(["run", "-c", str(clean_recipe), "--no-progress"]) == 0
+    shards = sorted(p.name for p in out.glob("shard-*"))
+    assert shards == sorted(p.name for p in reference.glob("shard-*")) and len(shards) == 2
+    for name in shards:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert json.loads((out / "manifest.json").read_text())["num_samples"] == 7
+    assert verify_cache(out).ok
+    try:
+        from nemo_automodel.components.datasets.llm.dspark_cache import CachedDSparkDataset
+    except ImportError:
+        CachedDSparkDataset = None  # the nemo extra is absent: the byte equality above stands for it
+    if CachedDSparkDataset is not None:
+        assert len(CachedDSparkDataset(str(out))) == 7
+
+    # Identity: an unfinished cache started under one setting refuses the other (nothing touched).
+    manifest_path = reference / "manifest.json"
+    write_manifest(reference, Manifest.from_json(manifest_path.read_text(), str(manifest_path)).with_complete(False))
+    before = hash_tree(reference)
+    capsys.readouterr()
+    assert main(["run", "-c", str(clean_recipe), "--no-progress", "--set", "capture.invalid_rows=skip"]) == 2
+    assert capsys.readouterr().err == (
+        f"ds-capture run: error: {reference} was started with capture.invalid_rows: refuse, and this run has "
+        "capture.invalid_rows: skip: the two settings choose different rows of the dataset, so their shards cannot "
+        "be mixed. Set capture.invalid_rows back to refuse to continue this cache, use a new cache_output_dir, or "
+        "pass --restart to recompute every shard with the new setting.\n")
+    assert hash_tree(reference) == before

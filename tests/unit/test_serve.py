@@ -136,7 +136,8 @@ def _mapping(size: int = 384) -> bytes:
 
 BAD_REQUESTS = [
     ("generate", b"not a wire blob", 400, "not a NeMo wire blob"),
-    ("generate", encode({"input_ids": torch.zeros(1, 4, dtype=torch.long)}), 400, "missing tensor(s) ['attention_mask'"),
+    ("generate", encode({"input_ids": torch.zeros(1, 4, dtype=torch.long)}), 400,
+     "missing tensor(s) ['attention_mask'"),
     ("generate", _batch(input_ids=torch.zeros(2, 16, dtype=torch.int32)), 422, "input_ids is int32, expected int64"),
     ("generate", _batch(loss_mask=torch.ones(2, 15, dtype=torch.long)), 422, "loss_mask has shape [2, 15]"),
     ("generate", _batch(input_ids=torch.zeros(32, dtype=torch.long)), 422, "expected [batch, seq_length]"),

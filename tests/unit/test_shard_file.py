@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
 from ds_capture.cache.common.files import checksum_matches, read_recorded_checksum, sha256_file
 from ds_capture.cache.common.names import shard_name
-from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile, file_digest
+from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile, file_digest, read_tensors
 from ds_capture.cache.common.staging import HostStaging
 from ds_capture.cache.dspark.writer import DSparkShards, write_manifest
 from ds_capture.cache.registry import verify_cache
@@ -304,3 +304,28 @@ def test_demo_capture_stores_fewer_bytes_than_its_logical_size_and_verifies(tmp_
         ids, hidden = f.get_tensor("input_ids"), f.get_slice("target_hidden_states")
         real = int((ids[0] != ids[0, -1]).sum())  # row 0 ends in padding in the demo data
         assert real < ids.shape[1] and not hidden[0, real:].any() and hidden[0, :real].abs().sum() > 0
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_read_tensors_without_a_map_equals_safetensors_own_reader(tmp_path, layout):
+    gen = torch.Generator().manual_seed(3)
+    tensors = {name: (torch.randn(shape, generator=gen) * 50).to(dtype) for name, (shape, dtype) in LAYOUTS[layout].items()}
+    save_file(tensors, tmp_path / "a.safetensors")
+    loaded, reference = read_tensors(tmp_path / "a.safetensors"), load_file(tmp_path / "a.safetensors")
+    assert set(loaded) == set(reference)
+    for name in reference:
+        assert loaded[name].dtype == reference[name].dtype and torch.equal(loaded[name], reference[name]), name
+    some = sorted(reference)[:1]
+    assert set(read_tensors(tmp_path / "a.safetensors", some)) == set(some)
+
+
+def test_read_tensors_refuses_what_safetensors_refuses(tmp_path):
+    path = tmp_path / "a.safetensors"
+    save_file({"x": torch.arange(6.0), "y": torch.ones(2, dtype=torch.int64)}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    with pytest.raises(ValueError, match=rf"the data section ends at byte {len(data)}, the file at {len(data) - 1}"):
+        read_tensors(path)
+    path.write_bytes(data[:5])
+    with pytest.raises(ValueError, match="5 bytes, shorter than the 8-byte length prefix"):
+        read_tensors(path)

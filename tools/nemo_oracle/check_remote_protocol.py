@@ -27,7 +27,8 @@ def compare(endpoint: str, ours: bytes, theirs: bytes, wire_body: bool) -> dict:
     result = {"endpoint": endpoint, "equal": ours == theirs}
     if result["equal"] or not wire_body:
         if not result["equal"]:
-            result["detail"] = {"ours": ours[:300].decode(errors="replace"), "nemo": theirs[:300].decode(errors="replace")}
+            result["detail"] = {"ours": ours[:300].decode(errors="replace"),
+                                "nemo": theirs[:300].decode(errors="replace")}
         return result
     from nemo_automodel.components.speculative.eagle.remote import wire
 
@@ -117,8 +118,8 @@ def main(argv: list[str]) -> int:
     batches.append(batch_blob(random_ids * left, left, left * torch.randint(0, 2, (3, S), generator=generator)))
     right = left.flip(1)
     batches.append(batch_blob(random_ids * right, right, right))
-    for name, (sel_ids, sel_mask) in (("draft", (ids, mask)),
-                                      ("identity", (torch.arange(vocab_size), torch.ones(vocab_size, dtype=torch.bool)))):
+    identity = (torch.arange(vocab_size), torch.ones(vocab_size, dtype=torch.bool))
+    for name, (sel_ids, sel_mask) in (("draft", (ids, mask)), ("identity", identity)):
         mapping = wire.encode_to_bytes({"selected_token_ids": sel_ids, "selected_token_mask": sel_mask})
         results.append(compare(f"set_vocab_mapping[{name}]", ask("set_vocab_mapping", mapping),
                                nemo.handle_set_vocab_mapping(mapping), False))

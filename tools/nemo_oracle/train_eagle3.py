@@ -2,8 +2,9 @@
 
 In: a target checkpoint, a chat JSONL, the backend (``colocated``: NeMo's in-process target, its loader swapped
 for transformers' as in make_eagle3_fixtures.py; ``remote``: the URL(s) of a running ``ds-capture serve``), the
-number of epochs (one optimizer step per micro-batch). Out (stdout, the last line): one JSON object with the per-step losses (float32, as
-NeMo's trainer computes them, one per micro-batch), their accuracies and steps/s (between the first and the last step).
+number of epochs (one optimizer step per micro-batch). Out (stdout, the last line): one JSON object with the per-step
+losses (float32, as NeMo's trainer computes them, one per micro-batch), their accuracies and steps/s (between the
+first and the last step).
 Nothing else of NeMo is changed: fp32, fixed seeds, one process (its own gloo process group):
 
     python tools/nemo_oracle/train_eagle3.py --target T --data D --epochs 1 [--remote-url http://127.0.0.1:P ...]

@@ -8,6 +8,7 @@ In: paths, tensors, a kind's manifest (its ``shard_layout``). Out: files on disk
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from safetensors.torch import save_file as _save_file
 from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,
+    RUN_COMMAND_NAME,
+    SKIPPED_ROWS_NAME,
     checksum_name,
     legacy_checksum_name,
     shard_name,
@@ -160,3 +163,23 @@ class ManifestShards:
         stat = shard.path.stat()
         return WrittenShard(index=index, logical_bytes=stat.st_size, bytes_written=shard.bytes_written,
                             disk_bytes=stat.st_blocks * 512)
+
+
+def write_run_command(out_dir: Path, argv: list[str]) -> None:
+    """``.ds_capture/run_command.json``: the ``ds-capture run`` command line that writes this cache and the
+    directory it was given, from which ``verify`` builds each problem's repair."""
+    record = {"argv": list(argv), "cache_output_dir": str(Path(out_dir).resolve())}
+    _write_bookkeeping_json(out_dir, RUN_COMMAND_NAME, record)
+
+
+def write_skipped_rows(out_dir: Path, rows: list[dict]) -> None:
+    """``.ds_capture/skipped_rows.json``: the dataset rows ``capture.invalid_rows: skip`` left out, and why."""
+    _write_bookkeeping_json(out_dir, SKIPPED_ROWS_NAME, {"num_rows_skipped": len(rows), "rows": rows})
+
+
+def _write_bookkeeping_json(out_dir: Path, name: str, record: dict) -> None:
+    path = Path(out_dir) / BOOKKEEPING_DIR / name
+    refuse_if_frozen()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(record, indent=1) + "\n"
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -14,7 +14,17 @@ from ds_capture.target.families import TargetInfo
 
 
 def refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
+    """Refuse a rerun whose inputs differ from those ``out_dir`` was started from (the run's ``inputs`` record:
+    dataset and tokenizer sha256, ``capture.invalid_rows``); a name the record lacks (an older cache) passes."""
     changed = [name for name, value in current.items() if name in recorded and recorded[name] != value]
+    if "invalid_rows" in changed:
+        raise CaptureError(
+            f"{out_dir} was started with capture.invalid_rows: {recorded['invalid_rows']}, and this run has "
+            f"capture.invalid_rows: {current['invalid_rows']}: the two settings choose different rows of the dataset, "
+            "so their shards cannot be mixed. Set capture.invalid_rows back to "
+            f"{recorded['invalid_rows']} to continue this cache, use a new cache_output_dir, or pass --restart to "
+            "recompute every shard with the new setting."
+        )
     if changed:
         what = {"train_data_sha256": "the dataset's content", "tokenizer_sha256": "the tokenizer files"}
         raise CaptureError(

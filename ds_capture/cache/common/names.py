@@ -12,6 +12,10 @@ import torch
 from ds_capture.capture.safety import BOOKKEEPING_DIR  # noqa: F401 - a name of the cache directory too
 
 MANIFEST_NAME = "manifest.json"
+RUN_COMMAND_NAME = "run_command.json"
+"""Under ``.ds_capture/``: the ``ds-capture run`` command line that last wrote the cache (verify's repairs)."""
+SKIPPED_ROWS_NAME = "skipped_rows.json"
+"""Under ``.ds_capture/``: the rows ``capture.invalid_rows: skip`` left out, each with the refusal's reason."""
 
 
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")

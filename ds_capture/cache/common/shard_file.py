@@ -18,6 +18,9 @@ Checksum (:data:`ROWS_DIGEST`): xxh3-128 over the header bytes, then the xxh3-12
 every tensor in file order, then the file length (8 bytes little-endian). Rows arrive in any order (shards
 are batched sorted by length), so the writer keeps one 16-byte digest per row and folds them at the end;
 :func:`file_digest` computes the same from a file on disk (``verify --checksums``, resume).
+
+Reading back (:func:`read_tensors`, every reader of ours: verify, inspect, compare) uses plain reads, never a
+memory map: mapped holes on a full tmpfs kill the reader with SIGBUS.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +52,7 @@ _DTYPE_NAME = {
     torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
     torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64",
 }
+_DTYPE_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAME.items()}
 _ZEROS = bytes(1 << 22)  # fed to the row digests for holes, 4 MiB at a time
 _READ_CHUNK = 1 << 24
 
@@ -251,11 +255,58 @@ def file_digest(path: Path) -> str:
     return f"{ROWS_DIGEST}:{folded.hexdigest()}"
 
 
+def read_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file (all of them, or ``names``), read with plain reads, never a memory map.
+
+    Why not ``safe_open``: it maps the file, and on tmpfs a page fault inside a hole (the shards' padding
+    tails) allocates a page, so once the filesystem is full the reader dies of SIGBUS with no message; a
+    ``read`` of a hole returns zeros and allocates nothing. ValueError for a file that is not a complete
+    safetensors file (as safetensors checks it: the header parses, the data offsets tile the data section,
+    which ends where the file ends); OSError as the read raises it.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{len(head)} bytes, shorter than the 8-byte length prefix")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise ValueError(f"header length {length} exceeds the file size {size}")
+        try:
+            entries = json.loads(f.read(length))
+            spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name, _DTYPE_BY_NAME[e["dtype"]],
+                            tuple(int(n) for n in e["shape"]))
+                           for name, e in entries.items() if name != "__metadata__")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+            raise ValueError(f"unreadable safetensors header ({type(error).__name__}: {error})") from None
+        data_start, position = 8 + length, 0
+        for begin, end, name, dtype, shape in spans:
+            if begin != position or end - begin != _numel(shape) * dtype.itemsize:
+                raise ValueError(f"{name}: data_offsets [{begin}, {end}] do not tile the data section")
+            position = end
+        if data_start + position != size:
+            raise ValueError(f"the data section ends at byte {data_start + position}, the file at {size} "
+                             "(truncated or extended)")
+        tensors = {}
+        for begin, end, name, dtype, shape in spans:
+            if names is not None and name not in names:
+                continue
+            tensor = torch.empty(shape, dtype=dtype)
+            buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if end > begin else memoryview(b"")
+            f.seek(data_start + begin)
+            while len(buffer):
+                done = f.readinto(buffer)
+                if not done:
+                    raise ValueError(f"{name}: the file ends inside its data")
+                buffer = buffer[done:]
+            tensors[name] = tensor
+    return tensors
+
+
 def _layout_from_header(text: bytes, path: Path) -> SafetensorsLayout:
-    by_name = {name: dtype for dtype, name in _DTYPE_NAME.items()}
     try:
         entries = json.loads(text)
-        tensors = {name: (tuple(e["shape"]), by_name[e["dtype"]])
+        tensors = {name: (tuple(e["shape"]), _DTYPE_BY_NAME[e["dtype"]])
                    for name, e in entries.items() if name != "__metadata__"}
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: unreadable safetensors header ({error})") from None

@@ -1,22 +1,58 @@
 """What both kinds' verify, inspect and compare share: the verify report, a shard loaded and layout-checked,
 the checksum pass, and the per-tensor difference report of ``ds-capture compare``.
 
-In: a cache directory and its manifest. Out: reports (problems named by file and key). Imports no kind.
+In: a cache directory and its manifest. Out: reports (problems named by file and key, each with the command
+that repairs it, built from the ``ds-capture run`` command the cache's run recorded in
+``.ds_capture/run_command.json``). Imports no kind.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from ds_capture.cache.common.files import file_checksum, read_recorded_checksum
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, checksum_name, shard_name
+from ds_capture.cache.common.files import checksum_matches, file_checksum, read_recorded_checksum
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, RUN_COMMAND_NAME, checksum_name, shard_name
+from ds_capture.cache.common.shard_file import read_tensors
 
 _MAX_LISTED = 10
+
+
+# How a problem is repaired (VerifyReport.add renders each as a command line with the cache's recorded command):
+RERUN = "rerun"
+"""A plain rerun recomputes it (missing or truncated shard, damaged header, no sidecar; unfinished run)."""
+RERUN_CHECKSUMS = "rerun --verify-checksums"
+"""A shard's bytes changed after it was written: a plain rerun over a complete cache checks sizes and headers
+only, so only ``--verify-checksums`` finds and recomputes it."""
+RECOMPUTE = "recompute"
+"""A shard holds wrong values yet its header and size are right: delete it, and a rerun recomputes it."""
+RESTART = "restart"
+"""The weights file: a rerun over a complete cache keeps it, ``--restart`` rewrites it (and every shard)."""
+REMOVE = "remove"
+"""Files that do not belong (shards beyond num_shards): delete them."""
+NEW_CACHE = "new cache"
+"""The manifest itself is damaged: nothing in the directory can be tied to a run; recompute it from scratch."""
+UNKNOWN_COMMAND = "ds-capture run -c <the recipe that wrote it>"
+
+
+def recorded_run_command(cache_dir: Path) -> str:
+    """The ``ds-capture run`` command line recorded in ``.ds_capture/run_command.json`` by the run that wrote
+    the cache (pointed at ``cache_dir`` where the cache was moved or copied since), or a placeholder (a cache of
+    an earlier version, or one NeMo wrote)."""
+    try:
+        record = json.loads((Path(cache_dir) / BOOKKEEPING_DIR / RUN_COMMAND_NAME).read_text(encoding="utf-8"))
+        argv = [str(arg) for arg in record["argv"]]
+        if Path(record["cache_output_dir"]) != Path(cache_dir).resolve():
+            argv += ["--set", f"recipe_args.cache_output_dir={Path(cache_dir).resolve()}"]
+        return shlex.join(argv)
+    except (OSError, ValueError, KeyError, TypeError):
+        return UNKNOWN_COMMAND
 
 
 @dataclass
@@ -26,6 +62,10 @@ class VerifyReport:
     cache_dir: Path
     ok: bool = False
     problems: list[str] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)
+    """``repairs[i]`` is the command line that repairs ``problems[i]``."""
+    run_command: str = UNKNOWN_COMMAND
+    """The command that wrote the cache (:func:`recorded_run_command`); repairs are built from it."""
     num_samples: int = 0
     num_shards: int = 0
     num_shards_checked: int = 0
@@ -37,6 +77,22 @@ class VerifyReport:
     """The inferred pad id (None: no row looks padded)."""
     checksums: bool = False
     """Whether shards were re-hashed against their recorded sha256."""
+
+    def add(self, problem: str, repair: str, names: tuple[str, ...] = ()) -> None:
+        """Record ``problem`` and the command that repairs it (``repair``: one of the kinds above; ``names``:
+        the files it deletes)."""
+        run = self.run_command
+        paths = " ".join(shlex.quote(str(self.cache_dir / name)) for name in names)
+        command = {RERUN: run, RERUN_CHECKSUMS: f"{run} --verify-checksums", RECOMPUTE: f"rm {paths} && {run}",
+                   RESTART: f"{run} --restart", REMOVE: f"rm {paths}",
+                   NEW_CACHE: f"rm -r {shlex.quote(str(self.cache_dir))} && {run}"}[repair]
+        self.problems.append(problem)
+        self.repairs.append(command)
+
+    def lines(self) -> list[str]:
+        """What ``ds-capture verify`` prints for an invalid cache: each problem, then the command that repairs it."""
+        return [f"{self.cache_dir}: INVALID cache, {len(self.problems)} problem(s):"] + [
+            f"  - {problem}; repair: {repair}" for problem, repair in zip(self.problems, self.repairs)]
 
     def summary(self) -> str:
         status = "OK" if self.ok else f"FAILED ({len(self.problems)} problem{'s' * (len(self.problems) != 1)})"
@@ -71,29 +127,41 @@ def padding_lengths(input_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor
     return is_pad_reversed.cumprod(dim=-1).sum(dim=-1)
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file."""
-    with safe_open(path, framework="pt") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
+def load_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (or those in ``names``), read without a memory map
+    (:func:`~ds_capture.cache.common.shard_file.read_tensors`: a full tmpfs cannot kill the reader)."""
+    return read_tensors(path, names)
 
 
-def load_checked_shard(cache_dir: Path, index: int, manifest: Any, problems: list[str]) -> dict[str, torch.Tensor] | None:
+def load_checked_shard(cache_dir: Path, index: int, manifest: Any, report: VerifyReport) -> dict[str, torch.Tensor] | None:
     """Shard ``index``'s tensors when the file reads and holds exactly ``manifest.expected_shard_tensors(index)``
-    (names, shapes, dtypes); otherwise each problem is appended and None returned. Both cache kinds verify this way."""
+    (names, shapes, dtypes); otherwise each problem is reported and None returned. Both cache kinds verify this
+    way. Each of these a rerun's shard check (header, size) finds too: a plain rerun repairs it."""
     name = shard_name(index)
     try:
         tensors = load_tensors(Path(cache_dir) / name)
-    except Exception as err:  # safetensors raises several types for damaged files
-        problems.append(f"{name}: unreadable safetensors file ({err})")
+    except (OSError, ValueError) as err:  # a damaged file, or one the filesystem cannot read
+        report.add(f"{name}: unreadable safetensors file ({err})", RERUN)
         return None
     expected = manifest.expected_shard_tensors(index)
     if set(tensors) != set(expected):
-        problems.append(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
+        report.add(f"{name}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}", RERUN)
         return None
     layout = [f"{name}: {layout_mismatch(key, tensors[key], shape, dtype)}" for key, (shape, dtype) in expected.items()
               if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype]
-    problems.extend(layout)
+    for problem in layout:
+        report.add(problem, RERUN)
     return None if layout else tensors
+
+
+def value_problem_repair(cache_dir: Path, index: int) -> str:
+    """The repair of a shard that breaks a value rule with a valid header and size: where its bytes changed
+    after it was written (its checksum no longer matches), ``--verify-checksums`` finds and recomputes it; where
+    they did not, the run wrote it so, and it must be deleted for a rerun to recompute it."""
+    recorded = read_recorded_checksum(cache_dir, index)
+    if recorded is not None and not checksum_matches(Path(cache_dir) / shard_name(index), recorded):
+        return RERUN_CHECKSUMS
+    return RECOMPUTE
 
 
 def verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
@@ -101,18 +169,18 @@ def verify_checksum(cache_dir: Path, index: int, report: VerifyReport) -> None:
     recorded = read_recorded_checksum(cache_dir, index)
     if recorded is None:
         record = f"{BOOKKEEPING_DIR}/{CHECKSUMS_DIR}/{checksum_name(index)}"
-        report.problems.append(f"{name}: no recorded checksum ({record}) to check against")
+        report.add(f"{name}: no recorded checksum ({record}) to check against", RERUN)
         return
     algorithm = recorded.partition(":")[0]
     try:
         actual = file_checksum(cache_dir / name, algorithm)
-    except ValueError as error:
-        report.problems.append(f"{name}: its {algorithm} checksum cannot be computed ({error})")
+    except (OSError, ValueError) as error:
+        report.add(f"{name}: its {algorithm} checksum cannot be computed ({error})", RERUN)
         return
     if actual != recorded:
-        report.problems.append(
+        report.add(
             f"{name}: {algorithm} {actual.partition(':')[2]} differs from the recorded {recorded.partition(':')[2]}: "
-            "the file changed after it was written"
+            "the file changed after it was written", RERUN_CHECKSUMS
         )
 
 

@@ -29,10 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.names import shard_name
-from ds_capture.cache.common.verify import CompareReport, KeyDiff, ShardDiff, default_tolerance, diff_tensors
+from ds_capture.cache.common.verify import (
+    CompareReport,
+    KeyDiff,
+    ShardDiff,
+    default_tolerance,
+    diff_tensors,
+    load_tensors,
+)
 from ds_capture.cache.dspark.format import IDENTITY_FIELDS, SHARD_KEYS, TARGET_WEIGHTS_NAME, WEIGHT_KEYS, Manifest
 from ds_capture.cache.dspark.reader import read_manifest
 from ds_capture.errors import CaptureError
@@ -94,15 +100,12 @@ def _load(path: Path, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CaptureError(f"{path} is missing: the cache is incomplete (run `ds-capture verify` on it).")
     try:
-        with safe_open(path, framework="pt") as handle:
-            found = set(handle.keys())
-            if found != set(keys):
-                raise CaptureError(f"{path} holds {sorted(found)}, expected {sorted(keys)}: not a DSpark v1 file.")
-            return {key: handle.get_tensor(key) for key in keys}
-    except CaptureError:
-        raise
-    except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a damaged file
+        tensors = load_tensors(path)
+    except (OSError, ValueError) as error:
         raise CaptureError(f"{path} cannot be read as safetensors ({error}).") from None
+    if set(tensors) != set(keys):
+        raise CaptureError(f"{path} holds {sorted(tensors)}, expected {sorted(keys)}: not a DSpark v1 file.")
+    return tensors
 
 
 def _compare_files(path_a: Path, path_b: Path, keys: tuple[str, ...], atol: float, rtol: float) -> ShardDiff:

@@ -93,7 +93,8 @@ class DSparkKind:
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
                        *, restart: bool, verify_checksums: bool) -> None:
         _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
-                        restart=restart, verify_checksums=verify_checksums)
+                        invalid_rows=self.cfg.capture.invalid_rows, restart=restart,
+                        verify_checksums=verify_checksums)
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
                 restart: bool, verify_checksums: bool) -> None:
@@ -144,11 +145,11 @@ def _reduced_depth(target: TargetInfo) -> dict:
 
 
 def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
-                    cache_dtype: str, restart: bool, verify_checksums: bool) -> None:
+                    cache_dtype: str, invalid_rows: str, restart: bool, verify_checksums: bool) -> None:
     """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards
     (of a complete cache: those that pass the rerun check), and unless every one is finished and the manifest
     says complete, write the target weights and the manifest with complete=false."""
-    fingerprints = input_fingerprints(data_path, target.path)
+    fingerprints = input_fingerprints(data_path, target.path, invalid_rows=invalid_rows)
     manifest = prepared.manifest = replace(
         prepared.manifest, bookkeeping={**prepared.manifest.bookkeeping, "inputs": fingerprints})
     existing = check_output_dir(out_dir, manifest)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.names import (
     MANIFEST_NAME,
@@ -31,6 +30,10 @@ from ds_capture.cache.common.names import (
     shard_name,
 )
 from ds_capture.cache.common.verify import (
+    NEW_CACHE,
+    REMOVE,
+    RERUN,
+    RESTART,
     VerifyReport,
     finish_report,
     human_bytes,
@@ -39,6 +42,8 @@ from ds_capture.cache.common.verify import (
     load_checked_shard,
     load_tensors,
     padding_lengths,
+    recorded_run_command,
+    value_problem_repair,
     verify_checksum,
 )
 from ds_capture.cache.dspark.format import IDENTITY_FIELDS, TARGET_WEIGHTS_NAME, Manifest
@@ -65,21 +70,22 @@ def read_manifest(cache_dir: Path) -> Manifest:
 def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     """Check every contract rule on the DSpark cache ``cache_dir``; ``checksums`` also re-hashes each shard."""
     cache_dir = Path(cache_dir)
-    report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
+    report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
     try:
         manifest = read_manifest(cache_dir)
     except CaptureError as err:
-        report.problems.append(str(err))
-        return report
-    problems = report.problems
+        # No manifest: the run never started (a run writes it); one that does not parse ties nothing to a run.
+        report.add(str(err), RERUN if not (cache_dir / MANIFEST_NAME).exists() else NEW_CACHE)
+        return finish_report(report)
     report.num_samples, report.num_shards = manifest.num_samples, manifest.num_shards
     if not manifest.complete:
-        problems.append(
+        report.add(
             f"{MANIFEST_NAME} has complete: false: the run writing this cache has not finished (or was killed); "
-            "re-run it with the same config to complete it"
+            "re-run it with the same config to complete it", RERUN
         )
     consistency = manifest.consistency_problems()
-    problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
+    for problem in consistency:
+        report.add(f"{MANIFEST_NAME}: {problem}", NEW_CACHE)
     if consistency:
         return finish_report(report)
 
@@ -87,9 +93,10 @@ def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyRe
     expected = set(range(manifest.num_shards))
     if missing := sorted(expected - present):
         last = shard_name(manifest.num_shards - 1)
-        problems.append(f"missing shards: {list_names(missing)} (expected shard-000000 .. {last})")
+        report.add(f"missing shards: {list_names(missing)} (expected shard-000000 .. {last})", RERUN)
     if extra := sorted(present - expected):
-        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}")
+        report.add(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}", REMOVE,
+                   tuple(shard_name(i) for i in extra))
 
     to_check = sorted(expected & present)
     report.pad_id = _infer_pad_id(cache_dir, to_check)
@@ -98,7 +105,7 @@ def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyRe
         if checksums:
             verify_checksum(cache_dir, index, report)
         report.num_shards_checked += 1
-    _verify_weights(cache_dir, manifest, problems)
+    _verify_weights(cache_dir, manifest, report)
     return finish_report(report)
 
 
@@ -111,9 +118,8 @@ def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
     votes: Counter[int] = Counter()
     for index in indices:
         try:
-            with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-                input_ids = f.get_tensor("input_ids")
-        except Exception:  # an unreadable shard is reported by _verify_shard; it just does not vote
+            input_ids = load_tensors(cache_dir / shard_name(index), ["input_ids"])["input_ids"]
+        except (OSError, ValueError, KeyError):  # an unreadable shard is reported by _verify_shard; it just does not vote
             continue
         if input_ids.dim() != 2 or input_ids.shape[1] < 2:
             continue
@@ -123,10 +129,19 @@ def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
 
 
 def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: VerifyReport) -> None:
-    name, problems = shard_name(index), report.problems
-    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    """Value rules: a shard that breaks one was written so (or changed since: its checksum says which), and a
+    rerun's header check keeps it, so the repair deletes it first."""
+    name = shard_name(index)
+    tensors = load_checked_shard(cache_dir, index, manifest, report)
     if tensors is None:
         return
+
+    repair: list[str] = []  # decided at the first problem (it reads the shard's checksum)
+
+    def fail(problem: str) -> None:
+        repair[:] = repair or [value_problem_repair(cache_dir, index)]
+        report.add(f"{name}: {problem}", repair[0], (name,))
+
     input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
     hidden, last = tensors["target_hidden_states"], tensors["target_last_hidden_states"]
 
@@ -134,12 +149,10 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
         bad = ~torch.isfinite(tensors[key])
         if bad.any():
             row, pos = bad.nonzero()[0][:2].tolist()
-            problems.append(
-                f"{name}: {key} holds {int(bad.sum())} non-finite values (NaN/inf), first at row {row} position {pos}"
-            )
+            fail(f"{key} holds {int(bad.sum())} non-finite values (NaN/inf), first at row {row} position {pos}")
     if not ((loss_mask == 0) | (loss_mask == 1)).all():
         values = sorted(set(loss_mask.unique().tolist()) - {0, 1})
-        problems.append(f"{name}: loss_mask holds values other than 0/1: {values[:_MAX_LISTED]}")
+        fail(f"loss_mask holds values other than 0/1: {values[:_MAX_LISTED]}")
 
     num_pad = padding_lengths(input_ids, report.pad_id)
     S = manifest.seq_length
@@ -149,42 +162,41 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
     on_pad = (loss_mask != 0) & strict_pad
     if on_pad.any():
         row, pos = on_pad.nonzero()[0].tolist()
-        problems.append(
-            f"{name}: loss_mask is 1 on {int(on_pad.sum())} padding positions (pad id {report.pad_id}), "
-            f"first at row {row} position {pos}"
-        )
+        fail(f"loss_mask is 1 on {int(on_pad.sum())} padding positions (pad id {report.pad_id}), "
+             f"first at row {row} position {pos}")
     report.num_tokens += int((S - num_pad).sum())
     report.num_supervised_tokens += int(loss_mask.sum())
 
     if manifest.target_layer_ids[-1] == manifest.num_hidden_layers - 1:
         H = manifest.hidden_size
         if not torch.equal(hidden[..., -H:], last):
-            problems.append(
-                f"{name}: the last feature slice of target_hidden_states (layer {manifest.target_layer_ids[-1]}, "
-                "the post-norm output) differs from target_last_hidden_states"
-            )
+            fail(f"the last feature slice of target_hidden_states (layer {manifest.target_layer_ids[-1]}, "
+                 "the post-norm output) differs from target_last_hidden_states")
 
 
-def _verify_weights(cache_dir: Path, manifest: Manifest, problems: list[str]) -> None:
+def _verify_weights(cache_dir: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """A rerun writes the weights file again unless the cache is complete; ``--restart`` always does."""
     path = cache_dir / TARGET_WEIGHTS_NAME
+    repair = RESTART if manifest.complete else RERUN
     if not path.is_file():
-        problems.append(f"{TARGET_WEIGHTS_NAME} is missing")
+        report.add(f"{TARGET_WEIGHTS_NAME} is missing", repair)
         return
     try:
         tensors = load_tensors(path)
-    except Exception as err:
-        problems.append(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})")
+    except (OSError, ValueError) as err:
+        report.add(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})", repair)
         return
     expected = manifest.expected_weight_tensors()
     if set(tensors) != set(expected):
-        problems.append(f"{TARGET_WEIGHTS_NAME}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}")
+        report.add(f"{TARGET_WEIGHTS_NAME}: holds tensors {sorted(tensors)}, expected exactly {sorted(expected)}",
+                   repair)
         return
     for key, (shape, dtype) in expected.items():
         t = tensors[key]
         if tuple(t.shape) != shape or t.dtype != dtype:
-            problems.append(f"{TARGET_WEIGHTS_NAME}: {layout_mismatch(key, t, shape, dtype)}")
+            report.add(f"{TARGET_WEIGHTS_NAME}: {layout_mismatch(key, t, shape, dtype)}", repair)
         elif not torch.isfinite(t).all():
-            problems.append(f"{TARGET_WEIGHTS_NAME}: {key} holds non-finite values (NaN/inf)")
+            report.add(f"{TARGET_WEIGHTS_NAME}: {key} holds non-finite values (NaN/inf)", repair)
 
 
 def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
@@ -196,8 +208,8 @@ def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
     pad_id = _infer_pad_id(cache_dir, present)
     num_tokens = num_supervised = 0
     for index in present:
-        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-            input_ids, loss_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        tensors = load_tensors(cache_dir / shard_name(index), ["input_ids", "loss_mask"])
+        input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
         num_tokens += int((input_ids.shape[1] - padding_lengths(input_ids, pad_id)).sum())
         num_supervised += int(loss_mask.sum())
     files = [p for p in cache_dir.rglob("*") if p.is_file()]

@@ -133,7 +133,7 @@ class Eagle3Kind:
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
                        *, restart: bool, verify_checksums: bool) -> None:
         """Rank 0, read-only until the lock: every identity field but the (not yet counted) vocabulary."""
-        self.fingerprints = input_fingerprints(data_path, target.path)
+        self.fingerprints = input_fingerprints(data_path, target.path, invalid_rows=self.cfg.capture.invalid_rows)
         existing = check_eagle3_output_dir(out_dir, prepared.manifest, skip=VOCAB_FIELDS)
         if existing is not None and not restart:
             recorded = (read_bookkeeping(out_dir, RUN_RECORD_NAME) or {}).get("inputs", {})

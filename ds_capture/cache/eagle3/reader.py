@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
 from ds_capture.cache.common.verify import (
+    NEW_CACHE,
+    REMOVE,
+    RERUN,
+    RESTART,
     CompareReport,
     KeyDiff,
     ShardDiff,
@@ -28,6 +31,7 @@ from ds_capture.cache.common.verify import (
     diff_tensors,
     load_checked_shard,
     load_tensors,
+    value_problem_repair,
 )
 from ds_capture.cache.eagle3.format import (
     COMPLETE_NAME,
@@ -74,36 +78,37 @@ def _shard_indices(cache_dir: Path) -> set[int]:
 
 
 def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
-    from ds_capture.cache.common.verify import VerifyReport, list_names, verify_checksum
+    from ds_capture.cache.common.verify import VerifyReport, list_names, recorded_run_command, verify_checksum
 
     cache_dir = Path(cache_dir)
-    report = VerifyReport(cache_dir=cache_dir, checksums=checksums)
-    problems = report.problems
+    report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
     try:
         manifest = read_eagle3(cache_dir)
-    except CaptureError as err:
-        problems.append(str(err))
+    except (CaptureError, OSError, UnicodeDecodeError) as err:
+        report.add(str(err), NEW_CACHE)
         return finish_report(report)
     report.num_samples, report.num_shards = manifest.num_samples, manifest.num_shards
     if consistency := manifest.consistency_problems():
-        problems.extend(f"{MANIFEST_NAME}: {p}" for p in consistency)
+        for problem in consistency:
+            report.add(f"{MANIFEST_NAME}: {problem}", NEW_CACHE)
         return finish_report(report)
     complete, rule = completion(cache_dir, manifest)
     if not complete and (cache_dir / BOOKKEEPING_DIR).is_dir():
-        problems.append(f"{BOOKKEEPING_DIR}/{COMPLETE_NAME} is missing or names another manifest: the ds_capture run "
-                        "writing this cache has not finished (or was killed); re-run it with the same config")
+        report.add(f"{BOOKKEEPING_DIR}/{COMPLETE_NAME} is missing or names another manifest: the ds_capture run "
+                   "writing this cache has not finished (or was killed); re-run it with the same config", RERUN)
     present, expected = _shard_indices(cache_dir), set(range(manifest.num_shards))
     if missing := sorted(expected - present):
-        problems.append(f"missing shards: {list_names(missing)} (expected shard-000000 .. "
-                        f"{shard_name(manifest.num_shards - 1)})")
+        report.add(f"missing shards: {list_names(missing)} (expected shard-000000 .. "
+                   f"{shard_name(manifest.num_shards - 1)})", RERUN)
     if extra := sorted(present - expected):
-        problems.append(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}")
+        report.add(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}", REMOVE,
+                   tuple(shard_name(i) for i in extra))
     for index in sorted(expected & present):
         _verify_shard(cache_dir, index, manifest, report)
         if checksums:
             verify_checksum(cache_dir, index, report)
         report.num_shards_checked += 1
-    _verify_embeddings(cache_dir, manifest, problems)
+    _verify_embeddings(cache_dir, manifest, report, complete=complete)
     return finish_report(report)
 
 
@@ -113,15 +118,21 @@ def finish_report(report):
 
 
 def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report) -> None:
-    name, problems = shard_name(index), report.problems
-    tensors = load_checked_shard(cache_dir, index, manifest, problems)
+    """Value rules (a shard that breaks one keeps its header and size: the repair deletes it, a rerun
+    recomputes it)."""
+    name = shard_name(index)
+    tensors = load_checked_shard(cache_dir, index, manifest, report)
     if tensors is None:
         return
+
+    repair: list[str] = []  # decided at the first problem (it reads the shard's checksum)
 
     def fail(what: str, bad: torch.Tensor) -> None:
         if bad.any():
             row, pos = bad.nonzero()[0][:2].tolist()
-            problems.append(f"{name}: {what} at {int(bad.sum())} positions, first at row {row} position {pos}")
+            repair[:] = repair or [value_problem_repair(cache_dir, index)]
+            report.add(f"{name}: {what} at {int(bad.sum())} positions, first at row {row} position {pos}",
+                       repair[0], (name,))
 
     attention, loss, position = tensors["attention_mask"], tensors["loss_mask"], tensors["position_mask"][..., 0]
     for key in ("attention_mask", "loss_mask"):
@@ -149,23 +160,25 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report)
     report.num_supervised_tokens += int(loss.sum())
 
 
-def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, problems: list[str]) -> None:
+def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, report, *, complete: bool) -> None:
+    """A rerun writes the embeddings again unless the cache is complete; ``--restart`` always does."""
     path = cache_dir / EMBEDDINGS_NAME
+    repair = RESTART if complete else RERUN
     if not path.is_file():
-        problems.append(f"{EMBEDDINGS_NAME} is missing (NeMo's trainer seeds the draft's embed_tokens from it)")
+        report.add(f"{EMBEDDINGS_NAME} is missing (NeMo's trainer seeds the draft's embed_tokens from it)", repair)
         return
     try:
         tensors = load_tensors(path)
-    except Exception as err:
-        problems.append(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})")
+    except (OSError, ValueError) as err:
+        report.add(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})", repair)
         return
     weight = tensors.get("weight")
     shape = (manifest.target_vocab_size, manifest.hidden_size)
     if set(tensors) != {"weight"} or tuple(weight.shape) != shape or weight.dtype != torch.float32:
         found = {k: (list(t.shape), str(t.dtype)) for k, t in tensors.items()}
-        problems.append(f"{EMBEDDINGS_NAME}: holds {found}, expected exactly weight {list(shape)} float32")
+        report.add(f"{EMBEDDINGS_NAME}: holds {found}, expected exactly weight {list(shape)} float32", repair)
     elif not torch.isfinite(weight).all():
-        problems.append(f"{EMBEDDINGS_NAME}: weight holds non-finite values (NaN/inf)")
+        report.add(f"{EMBEDDINGS_NAME}: weight holds non-finite values (NaN/inf)", repair)
 
 
 def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
@@ -174,10 +187,10 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
     present = sorted(_shard_indices(cache_dir))
     tokens = supervised = positions = 0
     for index in present:
-        with safe_open(cache_dir / shard_name(index), framework="pt") as f:
-            tokens += int(f.get_tensor("attention_mask").sum())
-            supervised += int(f.get_tensor("loss_mask").sum())
-            positions += int(f.get_tensor("position_mask").sum())
+        masks = load_tensors(cache_dir / shard_name(index), ["attention_mask", "loss_mask", "position_mask"])
+        tokens += int(masks["attention_mask"].sum())
+        supervised += int(masks["loss_mask"].sum())
+        positions += int(masks["position_mask"].sum())
     complete, rule = completion(cache_dir, manifest)
     identity = {name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in FIELD_NAMES}
     return {
@@ -261,7 +274,7 @@ def _compare_files(path_a: Path, path_b: Path, atol: float, rtol: float) -> Shar
             raise CaptureError(f"{path} is missing: the cache is incomplete (run `ds-capture verify` on it).")
         try:
             loaded.append(load_tensors(path))
-        except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a damaged file
+        except (OSError, ValueError) as error:
             raise CaptureError(f"{path} cannot be read as safetensors ({error}).") from None
     tensors_a, tensors_b = loaded
     if set(tensors_a) != set(tensors_b):
