@@ -57,6 +57,7 @@ def test_ep2_service_trains_like_colocated_and_stops_on_sigterm(targets, tmp_pat
         assert code == 0, service.log()[-4000:]
         assert "ds-capture serve stopped (SIGTERM on 2 of 2 ranks)" in service.log()
         assert service.stop_seconds < 30 and service.leftover_shm == []
+        print(f"EP 2 service: SIGTERM to both ranks -> exit 0 in {service.stop_seconds:.1f} s")
     finally:
         service.stop(signal.SIGKILL)
 
@@ -94,6 +95,7 @@ def test_a_frozen_rank_ends_every_rank_with_exit_75(targets, tmp_path):
         waited = time.monotonic() - started
         assert not _alive(min(ranks)), f"rank 0 still running {waited:.0f} s after rank 1 froze"
         assert waited < LIMIT_S + SLACK_S, waited
+        print(f"rank 1 frozen -> rank 0 gone in {waited:.1f} s (limit {LIMIT_S} s)")
         assert service.health() is None
         assert "ds-capture: rank 0 stopping: rank 1 (host" in service.log(), service.log()[-3000:]
         os.kill(frozen, signal.SIGKILL)  # what a scheduler does with a rank that never wakes up
