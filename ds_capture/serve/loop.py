@@ -196,7 +196,13 @@ class _Lockstep:
                     continue
                 if header[0] == "exit":
                     return "a client disconnected (--exit-on-disconnect)"
-                self._step(jobs, header[1], header[2])
+                try:
+                    self._step(jobs, header[1], header[2])
+                except BaseException as error:
+                    for job in jobs:  # their clients get an answer (a 500) before the service goes down
+                        if not job.future.done():
+                            job.future.set_exception(error if isinstance(error, Exception) else RuntimeError(error))
+                    raise
         finally:
             vote.close()
 
