@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,6 +96,9 @@ def serve_target(cfg: RunConfig, options: ServeOptions, *, on_listening=None) ->
     if options.max_batch_rows < 1 or options.max_body_mib <= 0:
         raise CaptureError(f"--max-batch-rows ({options.max_batch_rows}) must be >= 1 and --max-body-mib "
                            f"({options.max_body_mib:g}) > 0.")
+    # The plan check sizes the largest forward the service runs: --max-batch-rows rows at seq_length.
+    cfg = replace(cfg, recipe_args=replace(cfg.recipe_args, micro_batch_size=options.max_batch_rows,
+                                           cache_shard_size=options.max_batch_rows))
     env = discover_env()
     # From here on SIGTERM / SIGINT stop every rank at the next tick (exit 0); a second one ends the process at once.
     with StopOnSignal(announce=env.rank == 0) as stop:
