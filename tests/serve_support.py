@@ -56,7 +56,8 @@ class ServiceProcess:
     def __init__(self, recipe: Path, *, nproc: int = 1, extra: list[str] = (), start_timeout_s: float = 120,
                  wait: bool = True) -> None:
         self._stack = ExitStack()
-        self.port = self._stack.enter_context(reserve_ports(1))
+        # One HTTP port per data-parallel replica (port + dp_rank): as many as ranks covers every layout.
+        self.port = self._stack.enter_context(reserve_ports(nproc))
         self.master_port = self._stack.enter_context(reserve_ports(1))
         self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="ds_capture_serve_")))

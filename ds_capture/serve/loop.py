@@ -3,14 +3,17 @@
 In: a validated recipe (``cache_kind: eagle3``; output and data keys unused) and the service's options. Out: a
 running service until SIGTERM / Ctrl-C on any rank (every rank leaves at the same tick, exit 0), a client's
 ``disconnect`` with ``exit_on_disconnect``, or a dead / frozen rank (:class:`~ds_capture.capture.liveness.Liveness`
-ends every rank, exit 75). Rank 0 listens (:mod:`ds_capture.serve.app`); the target session is
-:mod:`ds_capture.session`'s, as ``run``'s is.
+ends every rank, exit 75). The target session is :mod:`ds_capture.session`'s, as ``run``'s is.
 
-Lockstep, per tick (``tick_s`` while idle): every rank casts its stop ballot (:class:`StopVote`, a collective);
-rank 0 takes the waiting requests one forward can answer (:class:`~ds_capture.serve.scheduler.Scheduler`) and
-broadcasts their shape, then ``input_ids`` and ``attention_mask``; every rank forwards them (a collective for
-sharded engines) and rank 0 turns its captures into each request's answer (:mod:`ds_capture.serve.supervision`).
-An idle service costs two small collectives per tick.
+One URL per data-parallel replica: the first rank of each TP group (DP rank d) listens on ``port + d``
+(:mod:`ds_capture.serve.app`), so a job with DP 1 has one URL on rank 0 and NeMo's ``remote_urls`` lists one URL
+per replica. Lockstep, per tick (``tick_s`` while idle): every rank casts its stop ballot (:class:`StopVote`, a
+collective); each listener takes the waiting requests one forward can answer
+(:class:`~ds_capture.serve.scheduler.Scheduler`) and every rank learns every replica's shape (an all-gather); a
+replica's listener broadcasts ``input_ids`` and ``attention_mask`` to its TP group; every rank forwards (a
+replica with nothing to do forwards a one-row filler: sharded engines' forwards are collectives, and EP / FSDP2 ranks
+may carry different rows), and each listener turns its captures into its requests' answers
+(:mod:`ds_capture.serve.supervision`). An idle service costs two small collectives per tick.
 
     summary = serve_target(load_config("configs/serve_demo.yaml"), ServeOptions(port=8000))
 """
@@ -113,11 +116,9 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
     target, plan = session.target, session.plan
     compute_dtype = resolve_compute_dtype(cfg.capture.compute_dtype)
     state, server, error = None, None, None
-    if plan.rank == 0 and plan.dp_size > 1 and plan.ep_size == 1:
-        _LOG.warning("the layout has %d data-parallel replicas and no expert parallelism: every rank forwards every "
-                     "request, so each is computed %d times. Start one service per replica and give NeMo all of "
-                     "them (recipe_args.remote_urls) instead (docs/serve.md).", plan.dp_size, plan.dp_size)
-    if plan.rank == 0:
+    listens = plan.is_writer  # the first rank of each TP group: one URL per data-parallel replica
+    port = options.port + plan.dp_rank if options.port else 0
+    if listens:
         # Listen before loading (a busy port is refused at once; health answers 503 until every rank loaded).
         try:
             embed, lm_head = read_target_weights(target)
@@ -130,31 +131,34 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
                 scheduler=Scheduler(max_rows=options.max_batch_rows, batch=options.batch_requests),
                 metrics=ServeMetrics(), max_body_bytes=int(options.max_body_mib * 2**20),
                 exit_on_disconnect=options.exit_on_disconnect)
-            server = HttpServer(build_app(state), options.host, options.port)
+            server = HttpServer(build_app(state), options.host, port)
             server.start()
         except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error
             error = caught
     agree_on_error(error)
     try:
-        model = build_target_model(cfg, target, plan, new_groups(plan) if plan.world_size > 1 else None)
+        groups = new_groups(plan) if plan.world_size > 1 else None
+        model = build_target_model(cfg, target, plan, groups)
         device = next(model.parameters()).device
-        supervisor = Supervisor(lm_head.to(device, compute_dtype)) if plan.rank == 0 else None
+        supervisor = Supervisor(lm_head.to(device, compute_dtype)) if listens else None
         all_reduce_max_int(1)  # every rank has loaded the target: only now may health answer 200
         with target_forward(model, target, session.layer_ids, pre_norm_last=True) as forward:
-            if plan.rank == 0:
+            if listens:
                 state.ready.set()
                 state.metrics.ready.set(1)
-                _LOG.info("ds-capture serve: %s on http://%s:%d (world %d: dp %d x tp %d, ep %d; aux layers %s); "
-                          "NeMo recipe_args: target_model_backend: remote, remote_url: http://%s:%d",
-                          target.path, options.host, server.port, plan.world_size, plan.dp_size, plan.tp_size,
-                          plan.ep_size, session.layer_ids, options.host, server.port)
+                # Every replica's listener says where it listens (ranks but 0 log warnings and up only).
+                urls = ", ".join(f"http://{options.host}:{server.port - plan.dp_rank + d}" for d in range(plan.dp_size))
+                _LOG.log(logging.INFO if plan.rank == 0 else logging.WARNING,
+                         "ds-capture serve: %s, replica %d of %d on http://%s:%d (world %d: dp %d x tp %d, ep %d; aux "
+                         "layers %s); NeMo recipe_args: target_model_backend: remote, remote_urls: [%s]", target.path,
+                         plan.dp_rank, plan.dp_size, options.host, server.port, plan.world_size, plan.dp_size,
+                         plan.tp_size, plan.ep_size, session.layer_ids, urls)
                 if on_listening is not None:
                     on_listening(server.port)
-            loop = _Lockstep(forward, plan.rank, plan.world_size, device, compute_dtype, state, supervisor,
-                             options)
+            loop = _Lockstep(forward, plan, groups, device, compute_dtype, state, supervisor, options)
             reason = loop.run(stop)
-        if plan.rank == 0:
-            _LOG.info("%s", state.metrics.line())
+        if listens:
+            _LOG.log(logging.INFO if plan.rank == 0 else logging.WARNING, "%s", state.metrics.line())
         return ServeSummary(reason=reason, requests=loop.requests, forwards=loop.forwards, tokens=loop.tokens,
                             seconds=time.perf_counter() - started)
     finally:
@@ -169,9 +173,12 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
 class _Lockstep:
     """The per-tick loop of the module docstring (every rank runs one)."""
 
-    def __init__(self, forward, rank: int, world_size: int, device: torch.device, compute_dtype: torch.dtype,
+    def __init__(self, forward, plan, groups, device: torch.device, compute_dtype: torch.dtype,
                  state: ServiceState | None, supervisor: Supervisor | None, options: ServeOptions) -> None:
-        self.forward, self.rank, self.world_size, self.device = forward, rank, world_size, device
+        self.forward, self.plan, self.device = forward, plan, device
+        self.world_size, self.listens = plan.world_size, plan.is_writer
+        self.tp_group = groups.tp_group if groups is not None else None
+        self.leader = plan.tp_ranks[0]  # the global rank of this replica's listener
         self.compute_dtype, self.state, self.supervisor, self.options = compute_dtype, state, supervisor, options
         self.requests = self.forwards = self.tokens = 0
         self._logits_checked = False
@@ -184,7 +191,7 @@ class _Lockstep:
                 if vote.should_stop():
                     return f"{vote.reason()}"
                 jobs, header = [], None
-                if self.rank == 0:
+                if self.listens:
                     jobs = self.state.scheduler.take(self.options.tick_s)
                     if jobs:
                         header = ("forward", sum(job.request.num_rows for job in jobs), jobs[0].request.seq_length)
@@ -192,15 +199,17 @@ class _Lockstep:
                         header = ("exit",)
                     if self.options.log_interval_s and time.monotonic() >= next_log:
                         self.state.metrics.queue_depth.set(self.state.scheduler.depth())
-                        _LOG.info("%s", self.state.metrics.line())
+                        _LOG.log(logging.INFO if self.plan.rank == 0 else logging.WARNING, "%s",
+                                 self.state.metrics.line())
                         next_log = time.monotonic() + self.options.log_interval_s
-                header = self._broadcast_object(header)
-                if header is None:
-                    continue
-                if header[0] == "exit":
+                headers = self._gather_headers(header)  # every replica's, on every rank
+                if any(other is not None and other[0] == "exit" for other in headers):
                     return "a client disconnected (--exit-on-disconnect)"
+                if all(other is None for other in headers):
+                    continue
+                mine = headers[self.leader]
                 try:
-                    self._step(jobs, header[1], header[2])
+                    self._step(jobs, *(mine[1:] if mine is not None else (0, 0)))
                 except BaseException as error:
                     for job in jobs:  # their clients get an answer (a 500) before the service goes down
                         if not job.future.done():
@@ -211,7 +220,10 @@ class _Lockstep:
 
     def _step(self, jobs: list[Job], rows: int, length: int) -> None:
         started = time.monotonic()
-        if self.rank == 0:
+        if rows == 0:  # another replica has work: this one forwards a one-row filler whose output is discarded
+            self.forward.forward({"input_ids": torch.zeros(1, 8, dtype=torch.int64, device=self.device)})
+            return
+        if self.listens:
             input_ids = torch.cat([job.request.input_ids for job in jobs])
             attention_mask = torch.cat([job.request.attention_mask for job in jobs])
         else:
@@ -222,7 +234,7 @@ class _Lockstep:
         output = self.forward.forward({"input_ids": input_ids.to(self.device),
                                        "attention_mask": attention_mask.to(self.device)})
         self.forwards += 1
-        if self.rank != 0:
+        if not self.listens:
             return
         aux, last = self.forward.hooks.collect(self.compute_dtype)
         self.forward.hooks.reset()
@@ -248,20 +260,22 @@ class _Lockstep:
         self.state.metrics.count_forward(rows=rows, tokens=tokens, seconds=time.monotonic() - started, waited=waited)
         self.state.metrics.queue_depth.set(self.state.scheduler.depth())
 
-    def _broadcast_object(self, value):
+    def _gather_headers(self, header) -> list:
+        """Every rank's header (None but on listeners), indexed by global rank."""
         if self.world_size == 1:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)  # every rank, every tick
-        return box[0]
+            return [header]
+        headers = [None] * self.world_size
+        torch.distributed.all_gather_object(headers, header)  # every rank, every tick
+        return headers
 
     def _broadcast_tensors(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        if self.world_size == 1:
+        """The listener's tensors on every rank of its TP group (the ranks that see the same rows)."""
+        if self.tp_group is None:
             return list(tensors)
         device = collective_device()
         out = []
         for tensor in tensors:
             tensor = tensor.to(device).contiguous()
-            torch.distributed.broadcast(tensor, src=0)
+            torch.distributed.broadcast(tensor, src=self.leader, group=self.tp_group)
             out.append(tensor)
         return out

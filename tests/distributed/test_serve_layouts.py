@@ -2,10 +2,11 @@
 
 NeMo AutoModel 0.7.0's ``TrainEagle3Recipe`` (one epoch, 5 optimizer steps, fp32, CPU) with
 ``target_model_backend: remote`` against the service gives the losses of ``colocated`` (NeMo's own in-process
-target): bit for bit with EP 2 (our expert-parallel layer is exact, DESIGN §6), within 1e-5 relative with TP 2
-(AutoTP's all-reduce sums the row-parallel partial products in another order; measured: 1e-7). Rank 0 listens,
-health answers 200 only once both ranks loaded; SIGTERM to the ranks ends both with exit 0 within seconds; a
-frozen rank (SIGSTOP) ends the other with exit 75 within the liveness limit, and health stops answering.
+target): bit for bit with EP 2 and DP 2 (one URL per replica, NeMo's client round-robins over both; our
+expert-parallel layer is exact, DESIGN §6), within 1e-5 relative with TP 2 (AutoTP's all-reduce sums the
+row-parallel partial products in another order; measured: 1e-7). The first rank of each replica listens, health
+answers 200 only once every rank loaded; SIGTERM to the ranks ends both with exit 0 within seconds; a frozen rank
+(SIGSTOP) ends the other with exit 75 within the liveness limit, and health stops answering.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import signal
 import time
 
+import httpx
 import pytest
 
 from tests.eagle3_support import build_fixture_target, read_spec
@@ -50,9 +52,15 @@ def test_ep2_service_trains_like_colocated_and_stops_on_sigterm(targets, tmp_pat
         colocated = _train(targets["qwen3_moe"])
         service.wait_healthy()
         assert "world 2: dp 2 x tp 1, ep 2" in service.log()
-        remote = _train(targets["qwen3_moe"], service.url)
+        # One URL per replica (rank 1 on port + 1); NeMo's client round-robins, so the two replicas forward
+        # different rows in the same forwards (or one of them a filler): EP's all-to-all carries both.
+        second = f"http://127.0.0.1:{service.port + 1}"
+        remote = run_nemo("train_eagle3.py", "--target", str(targets["qwen3_moe"]), *TRAIN, "--remote-url",
+                          service.url, "--remote-url", second, "--prefetch", "1")
         assert remote["steps"] == colocated["steps"] == 5
         assert remote["losses"] == colocated["losses"], (remote, colocated)
+        served = [_generate_count(url) for url in (service.url, second)]
+        assert sum(served) == 5 and min(served) >= 2, served
         code = service.stop(signal.SIGTERM, timeout_s=30)
         assert code == 0, service.log()[-4000:]
         assert "ds-capture serve stopped (SIGTERM on 2 of 2 ranks)" in service.log()
@@ -60,6 +68,31 @@ def test_ep2_service_trains_like_colocated_and_stops_on_sigterm(targets, tmp_pat
         print(f"EP 2 service: SIGTERM to both ranks -> exit 0 in {service.stop_seconds:.1f} s")
     finally:
         service.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_dp2_service_has_one_url_per_replica_and_trains_like_colocated(targets, tmp_path):
+    """DP 2 (tp 1, ep 1): rank 1 listens on port + 1; NeMo's client round-robins over both URLs."""
+    service = _serve(tmp_path, targets["qwen3"])
+    try:
+        colocated = _train(targets["qwen3"])
+        service.wait_healthy()
+        second = f"http://127.0.0.1:{service.port + 1}"
+        assert httpx.get(f"{second}/health", timeout=10).json() == {"status": "ok"}
+        remote = run_nemo("train_eagle3.py", "--target", str(targets["qwen3"]), *TRAIN, "--remote-url", service.url,
+                          "--remote-url", second, "--prefetch", "1")
+        assert remote["losses"] == colocated["losses"], (remote, colocated)
+        served = [_generate_count(url) for url in (service.url, second)]
+        assert sum(served) == 5 and min(served) >= 2, served  # both replicas answered
+        assert service.stop(signal.SIGTERM, timeout_s=30) == 0, service.log()[-4000:]
+    finally:
+        service.stop(signal.SIGKILL)
+
+
+def _generate_count(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith('ds_capture_serve_requests_total{endpoint="generate",status="200"}'))
 
 
 @pytest.mark.slow
