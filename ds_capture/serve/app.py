@@ -1,6 +1,6 @@
-"""The HTTP side of the service (rank 0 only): NeMo's endpoints, health, metrics, and the limits on clients.
+"""The HTTP side of the service (each replica's first rank): NeMo's endpoints, health, metrics, client limits.
 
-In: requests on ``host:port`` (FastAPI routes served by uvicorn in a thread of rank 0). Out: NeMo 0.7.0's answers
+In: requests on ``host:port`` (FastAPI routes served by uvicorn in a thread of the replica's first rank). Out: NeMo 0.7.0's answers
 (``{"status": "ok"}`` JSON, wire blobs) and, for a request it refuses, a 4xx JSON ``{"error": "..."}`` naming the
 problem; the next request is served as if nothing happened. ``generate`` hands a :class:`~ds_capture.serve.
 scheduler.Job` to the lockstep loop and waits for its future; everything else is answered here.

@@ -70,14 +70,14 @@ class ServeOptions:
     max_body_mib: float = 256.0
     """Largest request body accepted (413 above it)."""
     tick_s: float = 0.05
-    """How long rank 0 waits for a request before the ranks' next stop vote while idle."""
+    """How long a listener waits for a request before the ranks' next stop vote while idle."""
     log_interval_s: float = 30.0
-    """Seconds between progress lines on rank 0 (0: none)."""
+    """Seconds between progress lines of each listener (0: none)."""
 
 
 @dataclass(frozen=True)
 class ServeSummary:
-    """What one service did (rank 0's counts)."""
+    """What one service did (this rank's counts; a listener's are its replica's requests)."""
 
     reason: str
     requests: int
@@ -91,7 +91,8 @@ class ServeSummary:
 
 
 def serve_target(cfg: RunConfig, options: ServeOptions, *, on_listening=None) -> ServeSummary:
-    """Serve ``cfg``'s target until stopped; every rank of the job calls this (rank 0 listens)."""
+    """Serve ``cfg``'s target until stopped; every rank of the job calls this (each replica's first rank
+    listens)."""
     if cfg.cache_kind != "eagle3":
         raise CaptureError(f"{cfg.source}: ds-capture serve answers NeMo's EAGLE-3 remote protocol: set "
                            f"`cache_kind: eagle3` (got {cfg.cache_kind!r}); recipe_args.aux_layer_ids chooses the "

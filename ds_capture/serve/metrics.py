@@ -2,7 +2,7 @@
 
 In: the HTTP handlers' and the lockstep loop's events (a request answered, a forward's rows, tokens and seconds,
 the time a request waited). Out: a :class:`prometheus_client.CollectorRegistry` of the service's own (no process
-globals), rendered in the Prometheus text format, and every ``interval_s`` one log line on rank 0::
+globals), rendered in the Prometheus text format, and every ``interval_s`` one log line per listener::
 
     serve: 12 requests (+4), 2,310 tokens/s, queue 1, forward 0.41 s / waiting 0.93 s of the last 5 s
 """
@@ -31,7 +31,7 @@ class ServeMetrics:
         self.forwards = Counter("ds_capture_serve_forwards", "Forwards run (one may answer several requests)",
                                 registry=self.registry)
         self.forward_seconds = Counter("ds_capture_serve_forward_seconds",
-                                       "Seconds in forward + supervision on rank 0", registry=self.registry)
+                                       "Seconds in forward + supervision on this listener", registry=self.registry)
         self.wait_seconds = Counter("ds_capture_serve_wait_seconds",
                                     "Seconds requests waited in the queue before their forward (summed)",
                                     registry=self.registry)

@@ -1,7 +1,7 @@
 """The queue between the HTTP threads and the lockstep loop, and which waiting requests share one forward.
 
 In: ``generate`` requests from any number of trainer processes (:meth:`Scheduler.submit`, from the HTTP
-server's threads). Out, to the loop on rank 0 (:meth:`Scheduler.take`): the oldest waiting request plus the
+server's threads). Out, to the loop on the listening rank (:meth:`Scheduler.take`): the oldest waiting request plus the
 requests behind it of the same sequence length, up to ``max_rows`` rows in all, in arrival order; each answered
 through its own future. Rows are independent in a causal target with its attention mask, so a request's rows give
 the same states alone or beside others'; the tests check the answers bit for bit both ways.

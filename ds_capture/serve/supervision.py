@@ -49,7 +49,7 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Supervisor:
-    """Turns captures into ``generate``'s answer (see the module docstring); one per service, on rank 0."""
+    """Turns captures into ``generate``'s answer (see the module docstring); one per listener (each replica's first rank)."""
 
     def __init__(self, lm_head: torch.Tensor) -> None:
         self.lm_head = lm_head
