@@ -1,8 +1,8 @@
 """The HTTP side of the service (each replica's first rank): NeMo's endpoints, health, metrics, client limits.
 
-In: requests on ``host:port`` (FastAPI routes served by uvicorn in a thread of the replica's first rank). Out: NeMo 0.7.0's answers
-(``{"status": "ok"}`` JSON, wire blobs) and, for a request it refuses, a 4xx JSON ``{"error": "..."}`` naming the
-problem; the next request is served as if nothing happened. ``generate`` hands a :class:`~ds_capture.serve.
+In: requests on ``host:port`` (FastAPI routes served by uvicorn in a thread of the replica's first rank). Out:
+NeMo 0.7.0's answers (``{"status": "ok"}`` JSON, wire blobs) and, for a request it refuses, a 4xx JSON
+``{"error": "..."}`` naming the problem; the next request is served as if nothing happened. ``generate`` hands a :class:`~ds_capture.serve.
 scheduler.Job` to the lockstep loop and waits for its future; everything else is answered here.
 
 Limits: a body larger than ``max_body_bytes`` is refused (413) before it is read whole; a client that hangs up

@@ -49,7 +49,7 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Supervisor:
-    """Turns captures into ``generate``'s answer (see the module docstring); one per listener (each replica's first rank)."""
+    """Turns captures into ``generate``'s answer (see the module docstring); one per listening rank."""
 
     def __init__(self, lm_head: torch.Tensor) -> None:
         self.lm_head = lm_head
