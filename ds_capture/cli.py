@@ -1,4 +1,4 @@
-"""Command line: ``ds-capture run | plan | verify | inspect | compare | regenerate`` (also ``python -m ds_capture``).
+"""Command line: ``ds-capture run | serve | plan | verify | inspect | compare | regenerate`` (``python -m ds_capture``).
 
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it. A ``run``
@@ -6,6 +6,7 @@ stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_C
 does a ``regenerate`` whose server stopped answering.
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
+    ds-capture serve -c configs/demo_eagle3.yaml --port 8000 [--host 0.0.0.0] [--exit-on-disconnect]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
@@ -52,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                      help="as ds-capture --verbose: also show other libraries' warnings")
+
+    serve = sub.add_parser("serve", help="serve the target to NeMo's EAGLE-3 trainer (target_model_backend: remote)")
+    serve.add_argument("-c", "--config", required=True, help="YAML recipe with cache_kind: eagle3 (see docs/serve.md)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                       help="override a YAML value (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; NeMo's client sends no credentials)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port on rank 0 (default 8000; 0: a free one)")
+    serve.add_argument("--exit-on-disconnect", action="store_true",
+                       help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
+    serve.add_argument("--max-batch-rows", type=int, default=64,
+                       help="most rows per request, and per forward shared by waiting requests (default 64)")
+    serve.add_argument("--no-batching", action="store_true", help="one forward per request")
+    serve.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256 MiB)")
+    serve.add_argument("--log-interval", type=float, default=30.0,
+                       help="seconds between progress lines (default 30; 0: none)")
 
     plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
     plan.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
@@ -181,6 +198,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ds_capture.recipe.config import load_config
+    from ds_capture.serve.loop import ServeOptions, serve_target
+
+    options = ServeOptions(host=args.host, port=args.port, exit_on_disconnect=args.exit_on_disconnect,
+                           max_batch_rows=args.max_batch_rows, batch_requests=not args.no_batching,
+                           max_body_mib=args.max_body_mib, log_interval_s=args.log_interval)
+    summary = serve_target(load_config(args.config, args.overrides), options)
+    if _is_rank0():
+        print(summary.format(), flush=True)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ds_capture.recipe.config import load_config
     from ds_capture.sizing.command import plan_capture
@@ -255,8 +285,8 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _cmd_run, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare,
-             "regenerate": _cmd_regenerate}
+_COMMANDS = {"run": _cmd_run, "serve": _cmd_serve, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect,
+             "compare": _cmd_compare, "regenerate": _cmd_regenerate}
 
 
 # Recipe headers: the "ds-capture plan says:" block of a recipe in configs/ lists the plan command lines it was

@@ -2,7 +2,7 @@
 
 Floors (DESIGN §2): errors / demo -> recipe -> data (-> regenerate) -> target -> parallel -> capture -> cache (the kind interface
 and the common pieces, then one package per kind, then the registry that dispatches over kinds) -> sizing ->
-runner -> cli. Every ``import`` of a ``ds_capture`` module is counted, including those inside functions: a lazy
+session -> the drivers (runner, serve) -> cli. Every ``import`` of a ``ds_capture`` module is counted, including those inside functions: a lazy
 import is still a dependency. A module may import its own stage's modules and any earlier floor's; the two
 cache kinds never import each other.
 """
@@ -37,7 +37,9 @@ FLOORS = [
     ("ds_capture.cache.reader", 9.5),  # re-exports for users of the old module paths
     ("ds_capture.cache.compare", 9.5),
     ("ds_capture.sizing", 10),
-    ("ds_capture.runner", 11),
+    ("ds_capture.session", 10.5),  # the target session every driver shares (layout, engine, hooks, forward)
+    ("ds_capture.runner", 11),  # the drivers: the offline cache and the service, siblings that never import each other
+    ("ds_capture.serve", 11),
     ("ds_capture.cli", 12),
     ("ds_capture.__main__", 13),
 ]
