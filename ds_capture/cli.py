@@ -1,13 +1,16 @@
-"""Command line: ``ds-capture run | plan | verify | inspect | compare`` (also ``python -m ds_capture``).
+"""Command line: ``ds-capture run | serve | plan | verify | inspect | compare | regenerate`` (``python -m ds_capture``).
 
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it. A ``run``
-stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue.
+stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue; so
+does a ``regenerate`` whose server stopped answering.
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
+    ds-capture serve -c configs/demo_eagle3.yaml --port 8000 [--host 0.0.0.0] [--exit-on-disconnect]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
+    ds-capture regenerate --data IN.jsonl --output OUT.jsonl --url http://localhost:8000/v1 --model NAME
 """
 
 from __future__ import annotations
@@ -51,6 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                      help="as ds-capture --verbose: also show other libraries' warnings")
 
+    serve = sub.add_parser("serve", help="serve the target to NeMo's EAGLE-3 trainer (target_model_backend: remote)")
+    serve.add_argument("-c", "--config", required=True, help="YAML recipe with cache_kind: eagle3 (see docs/serve.md)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                       help="override a YAML value (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; NeMo's client sends no credentials)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port on rank 0 (default 8000; 0: a free one)")
+    serve.add_argument("--exit-on-disconnect", action="store_true",
+                       help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
+    serve.add_argument("--max-batch-rows", type=int, default=64,
+                       help="most rows per request, and per forward shared by waiting requests (default 64)")
+    serve.add_argument("--no-batching", action="store_true", help="one forward per request")
+    serve.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256 MiB)")
+    serve.add_argument("--log-interval", type=float, default=30.0,
+                       help="seconds between progress lines (default 30; 0: none)")
+
     plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
     plan.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
@@ -77,6 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: by cache dtype)")
     compare.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by cache dtype)")
     compare.add_argument("--json", action="store_true", help="print a machine-readable report")
+
+    regenerate = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target, through an "
+                                                   "OpenAI-compatible server (vLLM, SGLang, transformers serve)")
+    regenerate.add_argument("--data", required=True, help="any dataset ds-capture run reads, or demo:conversations")
+    regenerate.add_argument("--output", required=True, type=Path, help="the regenerated dataset (.jsonl)")
+    regenerate.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://localhost:8000/v1")
+    regenerate.add_argument("--model", required=True, help="the model name the server serves")
+    regenerate.add_argument("--max-tokens", type=int, default=1024,
+                            help="most tokens per reply (default 1024); a reply cut there is kept and counted")
+    regenerate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
+    regenerate.add_argument("--seed", type=int, default=None, help="sent with every request (default: none)")
+    regenerate.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    regenerate.add_argument("--split", default=None, help="split expression, as recipe_args.train_split")
+    regenerate.add_argument("--shuffle-seed", type=int, default=42, help="as recipe_args.shuffle_seed (default 42)")
+    regenerate.add_argument("--max-retries", type=int, default=5,
+                            help="retries of a failed request, 0.5 s apart and doubling (default 5)")
+    regenerate.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    regenerate.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -102,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return RERUN_EXIT_CODE
     except KeyboardInterrupt:
         # Ctrl-C before the run installed its handlers (nothing written yet), or in another command.
-        if args.command == "run":
-            print("ds-capture run: interrupted; rerun the same command to continue.", file=sys.stderr)
+        if args.command in ("run", "regenerate"):
+            print(f"ds-capture {args.command}: interrupted; rerun the same command to continue.", file=sys.stderr)
             return RERUN_EXIT_CODE
         print(f"ds-capture {args.command}: interrupted.", file=sys.stderr)
         return 130
@@ -161,6 +198,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ds_capture.recipe.config import load_config
+    from ds_capture.serve.loop import ServeOptions, serve_target
+
+    options = ServeOptions(host=args.host, port=args.port, exit_on_disconnect=args.exit_on_disconnect,
+                           max_batch_rows=args.max_batch_rows, batch_requests=not args.no_batching,
+                           max_body_mib=args.max_body_mib, log_interval_s=args.log_interval)
+    summary = serve_target(load_config(args.config, args.overrides), options)
+    if _is_rank0():
+        print(summary.format(), flush=True)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ds_capture.recipe.config import load_config
     from ds_capture.sizing.command import plan_capture
@@ -200,7 +250,43 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-_COMMANDS = {"run": _cmd_run, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect, "compare": _cmd_compare}
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ds_capture.demo import resolve_special_path
+    from ds_capture.regenerate.client import GenerationSettings, ServerUnavailable
+    from ds_capture.regenerate.driver import RegenerateOptions, regenerate
+
+    options = RegenerateOptions(
+        data=resolve_special_path(args.data), output=args.output, url=args.url, split=args.split,
+        shuffle_seed=args.shuffle_seed,
+        generation=GenerationSettings(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      seed=args.seed),
+        concurrency=args.concurrency, max_retries=args.max_retries, timeout_s=args.timeout,
+        show_progress=not args.no_progress)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: every finished row is already recorded
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()  # (tests call main from threads)
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        print(regenerate(options).format())
+    except ServerUnavailable as error:
+        if args.debug:
+            raise
+        print(f"ds-capture regenerate: error: {error}", file=sys.stderr)
+        return RERUN_EXIT_CODE
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+_COMMANDS = {"run": _cmd_run, "serve": _cmd_serve, "plan": _cmd_plan, "verify": _cmd_verify, "inspect": _cmd_inspect,
+             "compare": _cmd_compare, "regenerate": _cmd_regenerate}
 
 
 # Recipe headers: the "ds-capture plan says:" block of a recipe in configs/ lists the plan command lines it was

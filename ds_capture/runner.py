@@ -24,15 +24,12 @@ from typing import Iterator
 import torch
 
 from ds_capture.cache.common.files import write_atomic, write_run_command, write_skipped_rows
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, SKIPPED_ROWS_NAME
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
-from ds_capture.cache.registry import kind_class
-from ds_capture.capture.hooks import capture_hidden_states
 from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
-from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.progress import Progress, collective_device
-from ds_capture.capture.safety import FailFast, OutputLock
+from ds_capture.capture.safety import OutputLock
 from ds_capture.data.tokenization import (
     open_dataset,
     pad_token_id,
@@ -40,19 +37,20 @@ from ds_capture.data.tokenization import (
     tokenize_conversations,
 )
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.dist import (
-    agree_on_error,
-    all_reduce_max_int,
-    discover_env,
-    distributed_session,
-    repair_cpu_allreduce,
-)
+from ds_capture.parallel.dist import agree_on_error, all_reduce_max_int, discover_env
 from ds_capture.parallel.engines import build_model
-from ds_capture.parallel.layout import ParallelLayout, build_layout, new_groups, resolve_degrees
-from ds_capture.parallel.resident_experts import refuse_resident_experts
+from ds_capture.parallel.layout import ParallelLayout, new_groups
 from ds_capture.recipe.config import RunConfig
-from ds_capture.sizing.command import refuse_if_not_fitting
-from ds_capture.target.families import TargetInfo, read_target_info
+from ds_capture.session import (  # noqa: F401 - _check_family_layout, select_cache_kind: earlier import paths
+    _check_family_layout,
+    build_target_model,
+    distributed_target,
+    plan_session,
+    resolve_compute_dtype,
+    select_cache_kind,
+    target_forward,
+)
+from ds_capture.target.families import TargetInfo
 from ds_capture.target.inputs import check_checkpoint_files, check_token_ids, load_tokenizer, require_tokens
 
 _LOG = logging.getLogger("ds_capture")
@@ -131,52 +129,10 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool
 
 def _run_capture(cfg: RunConfig, env, stop: StopOnSignal, *, restart: bool, verify_checksums: bool,
                  show_progress: bool) -> RunSummary:
-    args = cfg.recipe_args
-    target = read_target_info(args.target_path)
-    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
-    if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
-        _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
-                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
-    layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
-    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
-                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
-    _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
-    refuse_resident_experts(target.family, cfg.capture.expert_storage,
-                            fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1 and env.world_size > 1)
-    target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
-    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
-                      num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
-                      num_key_value_heads=target.tp_key_value_heads)
-    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
-    refuse_if_not_fitting(cfg, world_size=env.world_size, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
-    with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
-        # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
-        repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
-        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
-        # Liveness within heartbeat_timeout_seconds of a rank (or the store's host) that stops answering.
-        with FailFast(plan.rank), Liveness(env, limit_s=cfg.dist_env.heartbeat_timeout_seconds), _peer_failures():
-            return _run(cfg, target, layer_ids, plan, stop, restart=restart, verify_checksums=verify_checksums,
-                        show_progress=show_progress)
-
-
-def select_cache_kind(cfg: RunConfig) -> CacheKind:
-    """The one place the cache kind is chosen (``cache_kind``)."""
-    return kind_class(cfg.cache_kind)(cfg)
-
-
-def resolve_compute_dtype(name: str) -> torch.dtype:
-    """``auto`` is NeMo's producer rule: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return DTYPES[name]
-
-
-def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None:
-    family = target.family
-    if tp_size > 1 and not family.supports_tp:
-        raise CaptureError(f"tp_size {tp_size}: {family.tp_refusal}")
-    if ep_size > 1 and not family.supports_ep:
-        raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
+    session = plan_session(cfg, env)
+    with distributed_target(cfg, env, session.plan):
+        return _run(cfg, session.target, session.layer_ids, session.plan, stop, restart=restart,
+                    verify_checksums=verify_checksums, show_progress=show_progress)
 
 
 def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, stop: StopOnSignal, *,
@@ -228,9 +184,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
 
 
 def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, groups) -> torch.nn.Module:
-    return build_model(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
-                       attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config,
-                       expert_storage=cfg.capture.expert_storage)
+    return build_target_model(cfg, target, plan, groups, build=build_model)
 
 
 def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout,
@@ -265,8 +219,6 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
     batches = [batch for index in todo for batch in plan_micro_batches(
         index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
-    # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
-    forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False, "logits_to_keep": 1}
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
     # ranks that run out of data forward a tiny padding batch whose output is discarded.
     num_steps = all_reduce_max_int(len(batches))
@@ -279,8 +231,8 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     writer = kind.open_writer(out_dir, manifest, micro_batch_size=args.micro_batch_size,
                               buffer_mib=options.writer_buffer_mib, device=device)
     vote, stopped_at = StopVote(stop), None  # StopVote: collective (a side group), every rank
-    with _output_errors(out_dir), writer, torch.no_grad(), capture_hidden_states(
-            model, target.family, layer_ids, target.num_hidden_layers, pre_norm_last=kind.pre_norm_last) as hooks:
+    with _output_errors(out_dir), writer, target_forward(model, target, layer_ids,
+                                                         pre_norm_last=kind.pre_norm_last) as forward:
         for step in range(num_steps):
             # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
             # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.
@@ -292,15 +244,15 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
             batch = batches[step] if step < len(batches) else None
             inputs = {key: value.to(device) for key, value in
                       (batch.model_inputs() if batch is not None else filler).items()}
-            hooks.reset()
-            # logits_to_keep=1: [B, S, vocab] would dwarf the hidden states (EAGLE-3 computes its
-            # distribution in chunks from the final hidden state, checked against these last logits).
-            output = model(**inputs, **forward_kwargs)
+            # Only the last position's logits: EAGLE-3 computes its distribution in chunks from the final
+            # hidden state, checked against these last logits.
+            output = forward.forward(inputs)
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
-            item = kind.micro_batch(batch, hooks, output, writes=plan.is_writer, check_finite=lambda hidden, last: (
-                _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
+            item = kind.micro_batch(batch, forward.hooks, output, writes=plan.is_writer,
+                                    check_finite=lambda hidden, last: (
+                                        _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
             if item is not None:
                 writer.put(item)
             del item
@@ -507,24 +459,6 @@ def _sum_over_ranks(values: list[int]) -> list[int]:
         tensor = tensor.to(collective_device())
         torch_dist.all_reduce(tensor)
     return [int(v) for v in tensor.cpu()]
-
-
-# What gloo / NCCL say when a peer process died under a collective.
-_PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
-@contextmanager
-def _peer_failures() -> Iterator[None]:
-    """A collective that failed because a peer rank died becomes a clear message instead of a traceback."""
-    try:
-        yield
-    except RuntimeError as error:
-        if any(text in str(error) for text in _PEER_DIED):
-            raise CaptureError(
-                f"a peer rank died during a collective ({str(error).splitlines()[0][:200]}). Its own log has the "
-                "cause; rerun the same command to continue: finished shards are kept, the rest is recomputed."
-            ) from error
-        raise
 
 
 @contextmanager

@@ -84,6 +84,11 @@ class ChatRows:
         dropped = DroppedParts()  # counted and warned about once, by open_dataset
         return [_normalize(row, where, dropped) for where, row in self._read(start, stop)]
 
+    def raw_rows(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[str, Any]]:
+        """Rows ``start..stop`` (cache order) as parsed, unnormalised, each with its place ("<file> line N"),
+        one at a time (``ds-capture regenerate`` keeps a row's other fields)."""
+        return self._read(start, self.num_rows if stop is None else min(stop, self.num_rows))
+
 
 @dataclass(frozen=True)
 class _Unreadable:

@@ -1,8 +1,8 @@
 """The package reads top-down: stages in the order data flows, no stage importing a later one, no import circle.
 
-Floors (DESIGN §2): errors / demo -> recipe -> data -> target -> parallel -> capture -> cache (the kind interface
+Floors (DESIGN §2): errors / demo -> recipe -> data (-> regenerate) -> target -> parallel -> capture -> cache (the kind interface
 and the common pieces, then one package per kind, then the registry that dispatches over kinds) -> sizing ->
-runner -> cli. Every ``import`` of a ``ds_capture`` module is counted, including those inside functions: a lazy
+session -> the drivers (runner, serve) -> cli. Every ``import`` of a ``ds_capture`` module is counted, including those inside functions: a lazy
 import is still a dependency. A module may import its own stage's modules and any earlier floor's; the two
 cache kinds never import each other.
 """
@@ -24,6 +24,7 @@ FLOORS = [
     ("ds_capture.demo", 1),
     ("ds_capture.recipe", 2),
     ("ds_capture.data", 3),
+    ("ds_capture.regenerate", 3.5),  # a driver that needs only the data stage: the server holds the target
     ("ds_capture.target", 4),
     ("ds_capture.parallel", 5),
     ("ds_capture.capture", 6),
@@ -36,7 +37,9 @@ FLOORS = [
     ("ds_capture.cache.reader", 9.5),  # re-exports for users of the old module paths
     ("ds_capture.cache.compare", 9.5),
     ("ds_capture.sizing", 10),
-    ("ds_capture.runner", 11),
+    ("ds_capture.session", 10.5),  # the target session every driver shares (layout, engine, hooks, forward)
+    ("ds_capture.runner", 11),  # the drivers: the offline cache and the service, siblings that never import each other
+    ("ds_capture.serve", 11),
     ("ds_capture.cli", 12),
     ("ds_capture.__main__", 13),
 ]
@@ -109,9 +112,10 @@ def test_no_import_circle():
 
 
 def test_nothing_below_the_recipe_sees_the_demo():
-    """``demo:`` paths are resolved where the config is loaded; no later stage imports the demo."""
+    """``demo:`` paths are resolved where the config (or ``regenerate``'s command line) is read; no later stage
+    imports the demo."""
     users = sorted(name for name, imported in GRAPH.items() if "ds_capture.demo" in imported)
-    assert users == ["ds_capture.recipe.config"]
+    assert users == ["ds_capture.cli", "ds_capture.recipe.config"]
 
 
 @pytest.mark.parametrize("graph, expected", [

@@ -1,0 +1,103 @@
+"""NeMo's ``compute_supervision`` from one forward's captures: what ``generate`` answers, key for key.
+
+In: the hook captures of one forward over ``input_ids`` ``[B, S]`` (the 3 aux layers' outputs concatenated,
+``[B, S, 3H]``, and the post-final-norm state ``[B, S, H]``, in the compute dtype), the full lm_head ``[V, H]``
+read from the checkpoint (so every layout, TP and EP included, takes the argmax over the *full* vocabulary from the
+single process's matrix), the client's ``loss_mask`` and its draft vocabulary. Out, as NeMo 0.7.0's
+``HFEagle3TargetModel.generate_batch`` + ``_compute_target_distribution`` produce them:
+
+- ``aux_hidden_states`` ``[B, S, 3H]`` compute dtype, unshifted;
+- ``target_probs`` ``[B, S, Vd]`` float32: softmax over the draft vocabulary of the logits shifted left by one
+  (the last slot holds zero logits, so the uniform distribution);
+- ``position_mask`` ``[B, S, 1]`` bool: the shifted logits' argmax over the full vocabulary is in the draft
+  vocabulary, and the shifted ``loss_mask`` is set;
+- ``input_ids`` / ``loss_mask`` shifted left by one, 0 at ``S - 1``, in the client's dtype.
+
+Full logits exist here only for ``rows_per_chunk`` rows at a time (``[b, S, V]``), never for the batch, and never
+leave this rank. Chunks are whole rows: the matmul then has ``b x S`` rows as NeMo's ``[B, S, V]`` one does, and
+measured equal bit for bit (a handful of rows at a time takes another kernel, 1e-5 off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOGITS_CHUNK_BYTES = 256 * 2**20
+"""Upper bound on one chunk's fp32-sized logits (b rows x S x V); at least one row."""
+
+
+@dataclass(frozen=True)
+class VocabMapping:
+    """A trainer's draft vocabulary (``set_vocab_mapping``): the ids and the full-vocabulary membership mask."""
+
+    selected_token_ids: torch.Tensor
+    """int64 [Vd]."""
+    selected_token_mask: torch.Tensor
+    """bool [V]."""
+
+    def same_as(self, other: "VocabMapping") -> bool:
+        return (torch.equal(self.selected_token_ids, other.selected_token_ids)
+                and torch.equal(self.selected_token_mask, other.selected_token_mask))
+
+
+def shift_left(tensor: torch.Tensor) -> torch.Tensor:
+    """NeMo's ``_shift_left_with_zero``: ``x[:, t + 1]`` at t, zeros at ``S - 1``."""
+    return torch.cat((tensor[:, 1:], torch.zeros_like(tensor[:, :1])), dim=1)
+
+
+class Supervisor:
+    """Turns captures into ``generate``'s answer (see the module docstring); one per listening rank."""
+
+    def __init__(self, lm_head: torch.Tensor) -> None:
+        self.lm_head = lm_head
+        self.vocab_size = int(lm_head.shape[0])
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[..., V] as the model's own lm_head computes them."""
+        return F.linear(last, self.lm_head)
+
+    def compute(self, aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                mapping: VocabMapping) -> dict[str, torch.Tensor]:
+        """The answer for one request: ``aux`` / ``last`` are its rows of the forward (``[B, S, .]``)."""
+        B, S = input_ids.shape
+        selected = mapping.selected_token_ids.to(last.device)
+        member = mapping.selected_token_mask.to(last.device)
+        # The identity (no draft_vocab_size): index_select would only copy the logits.
+        identity = selected.numel() == self.vocab_size and bool(
+            torch.equal(selected, torch.arange(self.vocab_size, device=selected.device)))
+        shifted_loss_mask = shift_left(loss_mask)
+        probs, masks = [], []
+        rows = max(1, LOGITS_CHUNK_BYTES // (S * self.vocab_size * 4))
+        for lo in range(0, B, rows):
+            hi = min(B, lo + rows)
+            logits = shift_left(self.logits(last[lo:hi]))  # [b, S, V]: the only full-vocabulary tensor
+            masks.append((member[logits.argmax(dim=-1)].cpu() & shifted_loss_mask[lo:hi].bool()).unsqueeze(-1))
+            probs.append(torch.softmax((logits if identity else logits.index_select(-1, selected)).float(),
+                                       dim=-1).cpu())
+            del logits
+        target_probs = probs[0] if len(probs) == 1 else torch.cat(probs)
+        position_mask = masks[0] if len(masks) == 1 else torch.cat(masks)
+        return {
+            "aux_hidden_states": aux.cpu(),
+            "target_probs": target_probs,
+            "position_mask": position_mask,
+            "input_ids": shift_left(input_ids),
+            "loss_mask": shifted_loss_mask,
+        }
+
+    def check_logits(self, last: torch.Tensor, output, tolerance: float) -> str | None:
+        """Why the model's own last-position logits are not ``lm_head(final norm output)``, or None where they are.
+
+        A family that post-processes its logits (softcapping, scaling) cannot be served from the final state."""
+        logits = output.logits if hasattr(output, "logits") else output
+        theirs = logits[:, -1].float()
+        ours = self.logits(last[:, -1]).float()
+        scale = max(1.0, float(theirs.abs().max()))
+        diff = float((ours - theirs).abs().max())
+        if diff > tolerance * scale:
+            return (f"the target's logits are not lm_head(final norm output) (max |difference| {diff:.3g} at the "
+                    f"last position, logits up to {scale:.3g}): this family post-processes its logits")
+        return None

@@ -1,0 +1,168 @@
+"""The target session: one frozen target, sharded over the job's ranks, forwarded in lockstep; shared by every driver.
+
+In: a validated :class:`~ds_capture.recipe.config.RunConfig` and the launcher's
+:class:`~ds_capture.parallel.dist.DistEnv`. Out, in the order a driver uses them:
+
+- :func:`plan_session`: the target's facts, the cache kind's layer ids and the :class:`ParallelLayout`, checked
+  (family vs layout, resident experts, attention implementation, ``ds-capture plan``'s fit verdict) before any
+  process group exists or any weight loads;
+- :func:`distributed_target`: the process group and what keeps a sharded job honest (DeepSpeed's CPU all-reduce
+  repaired, :class:`FailFast`, :class:`Liveness`, a dead peer's collective as a clear message);
+- :func:`build_target_model`: the engine's sharded model (deepspeed | fsdp2 | single);
+- :class:`TargetForward`: the scoped hooks and the per-micro-batch forward every rank runs together.
+
+The drivers decide where rows come from and where results go: :func:`ds_capture.runner.run_capture` (the offline
+cache) and :mod:`ds_capture.serve` (NeMo's remote target protocol), as vLLM's offline ``LLM`` and its API server
+share one engine core.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ds_capture.cache.common.names import DTYPES
+from ds_capture.cache.kind import CacheKind
+from ds_capture.cache.registry import kind_class
+from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
+from ds_capture.capture.liveness import Liveness
+from ds_capture.capture.safety import FailFast
+from ds_capture.errors import CaptureError
+from ds_capture.parallel.dist import DistEnv, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.engines import build_model
+from ds_capture.parallel.layout import ParallelLayout, build_layout, resolve_degrees
+from ds_capture.parallel.resident_experts import refuse_resident_experts
+from ds_capture.recipe.config import RunConfig
+from ds_capture.sizing.command import refuse_if_not_fitting
+from ds_capture.target.families import TargetInfo, read_target_info
+
+_LOG = logging.getLogger("ds_capture")
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What a session will be, known before any process group or weight: the target, its layer ids, the layout."""
+
+    target: TargetInfo
+    layer_ids: list[int]
+    plan: ParallelLayout
+
+
+def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
+    """Every check of the target and the layout that needs no process group (a refusal here loads nothing)."""
+    args = cfg.recipe_args
+    target = read_target_info(args.target_path)
+    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
+    if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
+        _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
+                    "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
+    layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
+    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
+                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
+    _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
+    refuse_resident_experts(target.family, cfg.capture.expert_storage,
+                            fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1 and env.world_size > 1)
+    target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
+    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
+                      num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
+                      num_key_value_heads=target.tp_key_value_heads)
+    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
+    refuse_if_not_fitting(cfg, world_size=env.world_size,
+                          compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
+    return SessionPlan(target=target, layer_ids=layer_ids, plan=plan)
+
+
+@contextmanager
+def distributed_target(cfg: RunConfig, env: DistEnv, plan: ParallelLayout) -> Iterator[None]:
+    """The job's process group with its guards; on every exit the group is torn down (barrier, destroy)."""
+    with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
+        # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
+        repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
+        # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
+        # Liveness within heartbeat_timeout_seconds of a rank (or the store's host) that stops answering.
+        with FailFast(plan.rank), Liveness(env, limit_s=cfg.dist_env.heartbeat_timeout_seconds), peer_failures():
+            yield
+
+
+def select_cache_kind(cfg: RunConfig) -> CacheKind:
+    """The one place the cache kind is chosen (``cache_kind``)."""
+    return kind_class(cfg.cache_kind)(cfg)
+
+
+def resolve_compute_dtype(name: str) -> torch.dtype:
+    """``auto`` is NeMo's producer rule: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[name]
+
+
+def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None:
+    family = target.family
+    if tp_size > 1 and not family.supports_tp:
+        raise CaptureError(f"tp_size {tp_size}: {family.tp_refusal}")
+    if ep_size > 1 and not family.supports_ep:
+        raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
+
+
+def build_target_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, groups, *,
+                       build=build_model) -> torch.nn.Module:
+    """The frozen target on this rank, sharded by the configured engine (every rank of the job calls it).
+
+    ``build``: :func:`~ds_capture.parallel.engines.build_model`, or what a driver's tests wrap it with."""
+    return build(cfg.engine, target, plan, groups, dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+                       attn_implementation=cfg.recipe_args.target_attn_implementation, ds_config=cfg.deepspeed_config,
+                       expert_storage=cfg.capture.expert_storage)
+
+
+class TargetForward:
+    """One forward of the target with its hooks armed: what every rank runs for every micro-batch, in lockstep.
+
+    ``hooks`` holds the captures of the last :meth:`forward` (:meth:`LayerCapture.collect`); the model is asked
+    for the last position's logits only (``[B, S, vocab]`` would dwarf the hidden states)."""
+
+    def __init__(self, model: torch.nn.Module, target: TargetInfo, hooks: LayerCapture) -> None:
+        self.model = model
+        self.hooks = hooks
+        # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
+        self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
+                                                                                    "logits_to_keep": 1}
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """The model's output for ``inputs`` (already on the model's device); the hooks hold its captures.
+
+        Collective for sharded engines: every rank must call it the same number of times."""
+        self.hooks.reset()
+        return self.model(**inputs, **self.forward_kwargs)
+
+
+@contextmanager
+def target_forward(model: torch.nn.Module, target: TargetInfo, layer_ids: list[int], *,
+                   pre_norm_last: bool) -> Iterator[TargetForward]:
+    """Hooks registered for ``layer_ids`` (removed on exit, errors included) under ``torch.no_grad``.
+
+    ``no_grad``, not ``inference_mode``: gloo collectives fail inside inference mode (DESIGN §6)."""
+    with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers,
+                                                pre_norm_last=pre_norm_last) as hooks:
+        yield TargetForward(model, target, hooks)
+
+
+# What gloo / NCCL say when a peer process died under a collective.
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+@contextmanager
+def peer_failures() -> Iterator[None]:
+    """A collective that failed because a peer rank died becomes a clear message instead of a traceback."""
+    try:
+        yield
+    except RuntimeError as error:
+        if any(text in str(error) for text in _PEER_DIED):
+            raise CaptureError(
+                f"a peer rank died during a collective ({str(error).splitlines()[0][:200]}). Its own log has the "
+                "cause; rerun the same command to continue: finished shards are kept, the rest is recomputed."
+            ) from error
+        raise
