@@ -64,7 +64,8 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
-    refuse_resident_experts(target.family, cfg.capture.expert_storage)
+    refuse_resident_experts(target.family, cfg.capture.expert_storage,
+                            fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1 and env.world_size > 1)
     target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
     plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,

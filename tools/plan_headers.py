@@ -26,7 +26,7 @@ def main() -> None:
 
     os.chdir(REPO)
     table = ["| target | layout | experts | attention | MLP | embed+head | other | params | activations (largest term) "
-             "| capture | reserve | peak per rank | verdict (largest consumer) |", "|" + "---|" * 13]
+             "| capture | reserve | FSDP2 gathered | peak per rank | verdict (largest consumer) |", "|" + "---|" * 14]
     for recipe in sorted((REPO / "configs").glob("*.yaml")):
         text = recipe.read_text()
         if BLOCK_START not in text.split("\n"):
@@ -49,7 +49,8 @@ def table_row(command: str, report) -> str:
     release = command.split("release_configs/")[1].split()[0]
     return (f"| {release} | {report.layout.describe()}, experts as {report.expert_storage.format} | " + " | ".join(f"{v:.1f}" for v in kinds)
             + f" | {worst.param_bytes / gib:.1f} | {worst.activation_bytes / gib:.1f} ({report.activation_largest.name})"
-            f" | {worst.capture_bytes / gib:.1f} | {worst.reserve_bytes / gib:.1f} | {worst.peak_bytes / gib:.1f} of "
+            f" | {worst.capture_bytes / gib:.1f} | {worst.reserve_bytes / gib:.1f} | {worst.fsdp2_gather_bytes / gib:.1f}"
+            f" | {worst.peak_bytes / gib:.1f} of "
             f"{report.budget_bytes / gib:.1f} | {verdict} ({name} {value / gib:.1f}) |")
 
 

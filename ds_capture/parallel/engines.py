@@ -34,7 +34,7 @@ def build_model(
     """
     from ds_capture.parallel.resident_experts import check_expert_storage
 
-    check_expert_storage(expert_storage, engine, plan.world_size)
+    check_expert_storage(expert_storage, engine, plan.world_size, ep_size=plan.ep_size)
     if plan.world_size == 1:
         from ds_capture.parallel.single import build_single_model
 
@@ -52,5 +52,6 @@ def build_model(
             from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
         except ImportError as error:
             raise CaptureError("engine: fsdp2 is not available in this version; use engine: deepspeed.") from error
-        return build_fsdp2_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation)
+        return build_fsdp2_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation,
+                                 expert_storage=expert_storage)
     raise CaptureError(f"engine {engine!r} is unknown; use deepspeed or fsdp2.")

@@ -11,6 +11,12 @@ Steps (the torchtitan recipe): build on meta (:func:`~ds_capture.target.loading.
 :func:`load_fsdp_shards` fills each local shard from ``safe_open(...).get_slice`` with transformers' own
 checkpoint-name mapping (per-expert ``experts.E.gate_proj.weight`` on disk -> fused ``experts.gate_up_proj``).
 
+Expert-parallel layout (NeMo-built families, ``distributed.ep_size`` = the world): :func:`keep_experts_local` first
+splits the routed experts E/world per rank (:mod:`.grouped_experts`, exact all-to-all routing) and the Engram
+tables by rows (:mod:`.engram_parallel`); ``fully_shard`` leaves those out (``ignored_params``), so they never enter
+an all-gather, and with ``capture.expert_storage: checkpoint`` the experts stay packed as released
+(:mod:`.packed_grouped_experts`). Byte for byte one process's cache (tests/distributed/test_nemo_family_layouts.py).
+
 Every forward all-gathers each layer's parameters: all ranks must call it the same number of times (the
 runner's padding forwards guarantee that), under ``torch.no_grad()`` (gloo collectives fail under
 ``inference_mode``).
@@ -39,24 +45,63 @@ from ds_capture.target.loading import (
 
 
 def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,
-                      attn_implementation: str | None) -> nn.Module:
+                      attn_implementation: str | None, expert_storage: str = "dequantized") -> nn.Module:
     """The frozen target for this rank, sharded by ``fully_shard`` over every rank of the job.
 
     Collective: every rank must call it (the mesh creation and, later, every forward communicate).
-    ``groups`` is unused: FSDP2 shards over the whole world, which the plan sees as ``dp_size == world``.
+    ``plan.ep_size == world`` (NeMo-built families only): :func:`keep_experts_local` first, and ``fully_shard``
+    leaves those parameters out; ``groups`` is otherwise unused (FSDP2 shards over the whole world).
+    ``expert_storage == "checkpoint"`` (that layout only): the rank's experts stay packed as released
+    (:mod:`.packed_grouped_experts`), rebuilt one expert at a time in the forward.
     """
-    if plan.tp_size != 1 or plan.ep_size != 1:
-        raise CaptureError(
-            f"engine: fsdp2 shards every parameter over all {plan.world_size} ranks and feeds each rank its own "
-            f"data; it has no tensor or expert parallelism (got tp_size {plan.tp_size}, ep_size {plan.ep_size}). "
-            "Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed."
-        )
+    check_fsdp2_degrees(target.family, "fsdp2", world_size=plan.world_size, tp_size=plan.tp_size,
+                        ep_size=plan.ep_size)
     device = _device()
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
+    ignored: set[nn.Parameter] = set()
+    if plan.ep_size > 1:
+        model, ignored = keep_experts_local(model, target, world_size=plan.world_size, rank=plan.rank)
+        if expert_storage == "checkpoint":
+            from ds_capture.parallel.packed_grouped_experts import keep_grouped_experts_packed
+
+            keep_grouped_experts_packed(model)
+            kept = {id(q) for q in model.parameters()}  # the replaced stacks are no parameters any more
+            ignored = {p for p in ignored if id(p) in kept}
     mesh = _mesh(plan.world_size, device)
-    apply_fsdp(model, target, mesh)
+    apply_fsdp(model, target, mesh, ignored_params=ignored)
     load_fsdp_shards(model, target, device=device)
     return model
+
+
+def keep_experts_local(model: nn.Module, target: TargetInfo, *, world_size: int, rank: int
+                       ) -> tuple[nn.Module, set[nn.Parameter]]:
+    """FSDP2's expert-parallel layout (``engine: fsdp2`` with ``distributed.ep_size`` = the world): the meta
+    ``model``'s routed experts split E/world per rank (:mod:`.grouped_experts`, exact all-to-all routing) and the
+    family's row-parallel tables split by rows (:mod:`.engram_parallel`), both over WORLD. Returns the model and
+    those parameters, which ``fully_shard`` must leave out (``ignored_params``): they never enter an all-gather."""
+    from ds_capture.parallel.engram_parallel import apply_engram_row_parallel, row_parallel_tables
+    from ds_capture.parallel.expert_parallel import apply_expert_parallel, moe_experts_modules
+
+    family = target.family
+    world = torch_dist.group.WORLD
+    model = apply_expert_parallel(model, family, ep_group=world, ep_size=world_size, ep_rank=rank)
+    model = apply_engram_row_parallel(model, family, group=world, group_size=world_size, group_rank=rank)
+    local = [m for _, m in moe_experts_modules(model, family)] + [t for _, t in row_parallel_tables(model, family)]
+    return model, {p for module in local for p in module.parameters()}
+
+
+def check_fsdp2_degrees(family: Any, engine: str, *, world_size: int, tp_size: int, ep_size: int) -> None:
+    """``engine: fsdp2``'s degrees: no tensor parallelism; expert parallelism only for NeMo's ``GroupedExperts``
+    families, over every rank (``ep_size == world``: the experts ignored by ``fully_shard``, the rest sharded)."""
+    if engine != "fsdp2" or (tp_size == 1 and ep_size == 1):
+        return
+    if tp_size == 1 and family.is_nemo and ep_size == world_size:
+        return
+    raise CaptureError(
+        f"engine: fsdp2 shards every parameter over all {world_size} ranks; it has no tensor parallelism, and expert "
+        f"parallelism only for NeMo-built families over every rank (distributed.ep_size = the world size) (got "
+        f"tp_size {tp_size}, ep_size {ep_size}). Set distributed.tp_size to 1 and distributed.ep_size to 1 (or to "
+        f"{world_size} for a NeMo-built family), or use engine: deepspeed.")
 
 
 def _device() -> torch.device:
@@ -71,18 +116,22 @@ def _mesh(world_size: int, device: torch.device) -> Any:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
 
 
-def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any) -> None:
+def apply_fsdp(model: nn.Module, target: TargetInfo, mesh: Any, *,
+               ignored_params: set[nn.Parameter] | None = None) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head).
 
     One all-gather per layer keeps at most one unsharded layer alive at a time
-    (``reshard_after_forward``); the root group holds what is left over.
+    (``reshard_after_forward``); the root group holds what is left over. ``ignored_params`` (expert-parallel
+    experts, row-split tables) stay plain local tensors, in no group.
     """
     from torch.distributed.fsdp import fully_shard
 
+    ignored = ignored_params or set()
     layers = get_submodule(model, target.family.layers)
     for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):  # NeMo's classes: a ModuleDict
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        own = {p for p in layer.parameters() if p in ignored}
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=own or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
 
 
 def _local_rows(param: torch.Tensor) -> tuple[int, int, int]:
@@ -124,7 +173,7 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
     restore_tensor_layout(model, layout)
     if target.family.is_nemo:  # NeMo's class: the release layout, placed one tensor at a time into the local chunks
-        return _load_nemo_shards(model, target)
+        return _load_nemo_shards(model, target, device)
     compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
     index, key_map, state = checkpoint_sources(model, target)
@@ -154,11 +203,22 @@ def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return local, rows
 
 
-def _load_nemo_shards(model: nn.Module, target: TargetInfo) -> LoadStats:
+def _load_nemo_shards(model: nn.Module, target: TargetInfo, device: torch.device) -> LoadStats:
     """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
     from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
+    from ds_capture.target.nemo_models import expert_rows, table_rows
+
     destinations, rows = _local_chunks(model.state_dict(keep_vars=True))
+    tables = table_rows(model)  # expert-parallel layout: row-split tables and the rank's experts, read as the
+    for name, (_, count) in tables.items():  # DeepSpeed engine reads them (a table's last owner: zero padding)
+        destinations[name][count:].zero_()
+        destinations[name] = destinations[name][:count]
+    rows.update({**expert_rows(model), **tables})
+    for name, module in model.named_modules():  # capture.expert_storage: checkpoint (:mod:`.packed_grouped_experts`)
+        if getattr(module, "resident_packed", False):
+            destinations[name], rows[name] = module, (module.first_expert, module.shape[0])
+            module.device = device
     stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
     init_nonpersistent_buffers(model, target.family)
     return stats

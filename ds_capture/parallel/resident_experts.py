@@ -156,10 +156,11 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
     return swapped
 
 
-def refuse_resident_experts(family, storage: str) -> None:
+def refuse_resident_experts(family, storage: str, *, fsdp2_ep: bool = False) -> None:
     """``checkpoint`` storage needs the transformers experts this module wraps; NeMo's ``GroupedExperts`` take
-    dequantized stacked tensors."""
-    if storage == "checkpoint" and family.is_nemo:
+    dequantized stacked tensors (``fsdp2_ep``: ``ds-capture plan`` sizes them packed in FSDP2's expert-parallel
+    layout, ``engine: fsdp2`` with ``distributed.ep_size`` = the world)."""
+    if storage == "checkpoint" and family.is_nemo and not fsdp2_ep:
         raise CaptureError(
             f"capture.expert_storage: checkpoint keeps the routed experts in the checkpoint's format inside "
             f"transformers' fused experts; model_type {family.model_type!r} is built by NeMo AutoModel's class, whose "
@@ -168,11 +169,12 @@ def refuse_resident_experts(family, storage: str) -> None:
         )
 
 
-def check_expert_storage(storage: str, engine: str, world_size: int) -> None:
-    """``checkpoint`` storage runs on the DeepSpeed engine's layouts (and one process); FSDP2 is refused."""
+def check_expert_storage(storage: str, engine: str, world_size: int, *, ep_size: int = 1) -> None:
+    """``checkpoint`` storage runs on the DeepSpeed engine's layouts (and one process), and on FSDP2's
+    expert-parallel layout (``ep_size`` = the world: the experts are not sharded by FSDP2); plain FSDP2 is refused."""
     if storage not in EXPERT_STORAGES:
         raise CaptureError(f"capture.expert_storage: must be one of {', '.join(EXPERT_STORAGES)}, got {storage!r}.")
-    if storage == "checkpoint" and engine == "fsdp2" and world_size > 1:
+    if storage == "checkpoint" and engine == "fsdp2" and world_size > 1 and ep_size == 1:
         raise CaptureError(
             "capture.expert_storage: checkpoint keeps each rank's routed experts whole in the checkpoint's format, "
             "which FSDP2's dim-0 parameter sharding does not hold. Use engine: deepspeed with distributed.ep_size "

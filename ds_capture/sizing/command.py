@@ -136,7 +136,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
     budget, budget_source = resolve_budget(cfg, gpu_memory_gib)
     dtype_name = compute_dtype or ("bf16" if cfg.capture.compute_dtype == "auto" else cfg.capture.compute_dtype)
-    storage = _configured_storage(cfg, target)
+    storage = _configured_storage(cfg, target, fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1)
     sizer = Sizer(cfg, target, layer_ids, dtype_name, _tp_grain_size(cfg.deepspeed_config))
     layout = Layout(cfg.engine, world_size, tp_size, ep_size, args.micro_batch_size)
     _validate_layout(target, layout)
@@ -147,7 +147,9 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size, world_size).total_params, ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
     )
-    checkpoint = None if target.family.is_nemo else mm.checkpoint_expert_storage(target_quantization(target))
+    nemo_resident = layout.engine == "fsdp2" and layout.ep_size > 1  # NeMo's experts resident only in this layout
+    checkpoint = (None if target.family.is_nemo and not nemo_resident
+                  else mm.checkpoint_expert_storage(target_quantization(target)))
     if checkpoint is not None and checkpoint.bytes_per_param is not None:
         for option in (mm.COMPUTE_STORAGE, checkpoint):
             if option.format != storage.format:
@@ -210,12 +212,12 @@ def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
     return read_target_info(path, trust_remote_code=trust_remote_code)
 
 
-def _configured_storage(cfg: RunConfig, target: TargetInfo) -> mm.ExpertStorage:
+def _configured_storage(cfg: RunConfig, target: TargetInfo, *, fsdp2_ep: bool = False) -> mm.ExpertStorage:
     # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
     if cfg.capture.expert_storage == "checkpoint":
         from ds_capture.parallel.resident_experts import refuse_resident_experts
 
-        refuse_resident_experts(target.family, "checkpoint")
+        refuse_resident_experts(target.family, "checkpoint", fsdp2_ep=fsdp2_ep)
         storage = mm.checkpoint_expert_storage(target_quantization(target))
         if storage is not None:
             return storage
@@ -233,10 +235,10 @@ def _validate_layout(target: TargetInfo, layout: Layout) -> None:
         raise CaptureError(f"tp_size {layout.tp_size}: {family.tp_refusal}")
     if layout.ep_size > 1 and not family.supports_ep:
         raise CaptureError(f"ep_size {layout.ep_size}: {family.ep_refusal}")
-    if layout.engine == "fsdp2" and (layout.tp_size > 1 or layout.ep_size > 1):
-        raise CaptureError(
-            f"engine: fsdp2 has no tensor or expert parallelism (got tp_size {layout.tp_size}, ep_size "
-            f"{layout.ep_size}). Set distributed.tp_size and distributed.ep_size to 1, or use engine: deepspeed.")
+    from ds_capture.parallel.fsdp2_engine import check_fsdp2_degrees
+
+    check_fsdp2_degrees(family, layout.engine, world_size=layout.world_size, tp_size=layout.tp_size,
+                        ep_size=layout.ep_size)
     build_layout(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
                num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                num_key_value_heads=target.tp_key_value_heads)

@@ -40,8 +40,10 @@ class Layout:
         return self.world_size // self.tp_size
 
     def describe(self) -> str:
-        shape = (f"engine fsdp2, world {self.world_size}" if self.engine == "fsdp2" else
-                 f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ep {self.ep_size}")
+        if self.engine == "fsdp2":
+            shape = f"engine fsdp2, world {self.world_size}" + (f", ep {self.ep_size}" if self.ep_size > 1 else "")
+        else:
+            shape = f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ep {self.ep_size}"
         return f"{shape}, micro_batch_size {self.micro_batch_size}"
 
 
@@ -130,16 +132,18 @@ class Sizer:
         self.num_built = 0
 
     # -- the tensor table ----------------------------------------------------------------------------------------
-    def _tables_world(self, engine: str, world_size: int) -> int:
-        """The ranks the DeepSpeed engine splits the family's row-parallel tables over (1: it has none, or FSDP2,
-        which shards them as any parameter): the only way the world size shapes a rank's tensors."""
-        return world_size if engine == "deepspeed" and self.target.family.row_parallel_tables else 1
+    def _tables_world(self, engine: str, world_size: int, ep_size: int = 1) -> int:
+        """The ranks the engine splits the family's row-parallel tables over (1: it has none, or plain FSDP2, which
+        shards them as any parameter; FSDP2 with expert parallelism keeps them row-split like DeepSpeed): the only
+        way the world size shapes a rank's tensors."""
+        row_split = engine == "deepspeed" or (engine == "fsdp2" and ep_size > 1)
+        return world_size if row_split and self.target.family.row_parallel_tables else 1
 
     def _key(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> tuple:
         config = self.target.path / "config.json"
         return (str(config), config.stat().st_mtime_ns, self.compute_dtype, self.tp_grain_size,
                 self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size,
-                self._tables_world(engine, world_size))
+                self._tables_world(engine, world_size, ep_size))
 
     def has_table(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> bool:
         return self._key(engine, tp_size, ep_size, world_size) in _TABLES
@@ -148,7 +152,7 @@ class Sizer:
         """The tensor table of one layout; built once per process (a meta model takes about a second)."""
         key = self._key(engine, tp_size, ep_size, world_size)
         if key not in _TABLES:
-            _TABLES[key] = self._build_table(engine, tp_size, ep_size, self._tables_world(engine, world_size))
+            _TABLES[key] = self._build_table(engine, tp_size, ep_size, self._tables_world(engine, world_size, ep_size))
             self.num_built += 1
         return _TABLES[key]
 
@@ -164,6 +168,10 @@ class Sizer:
                                      world_size=tables_world)
         partitions = tensor_partitions(model) if tp_size > 1 else {}
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
+        # FSDP2 with expert parallelism (NeMo's GroupedExperts families, parallel/fsdp2_engine.py): the routed
+        # experts (E/ep per rank) and the row-split tables are left out of fully_shard; everything else is sharded.
+        unsharded = (expert_prefixes + tuple(f"{name}." for name, _ in row_parallel_tables(model, family))
+                     if engine == "fsdp2" and ep_size > 1 else ())
         tensors = []
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):
             part = partitions.get(name)
@@ -175,7 +183,8 @@ class Sizer:
                 name=name, kind=self._kind(name, expert_prefixes), itemsize=tensor.element_size(),
                 shape=tuple(tensor.shape), is_expert=name.startswith(expert_prefixes), layer=self._layer(name),
                 tp_dim=part.dim if part else None, tp_sizes=part.sizes if part else (),
-                fsdp_sharded=engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0))
+                fsdp_sharded=(engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0
+                              and not name.startswith(unsharded))))
         # The unsharded model's size: every TP split summed back, every expert block times ep_size, every
         # row-parallel table whole.
         whole_rows = {f"{name}.weight": table.num_embeddings for name, table in row_parallel_tables(model, family)
@@ -360,6 +369,9 @@ class Sizer:
         out = [Layout(layout.engine, layout.world_size, layout.tp_size, layout.ep_size, b)
                for b in _halvings(layout.micro_batch_size)]
         worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
+        if layout.engine == "fsdp2" and layout.ep_size > 1:  # the experts expert-parallel over every rank
+            return out + [Layout("fsdp2", w, 1, w, layout.micro_batch_size) for w in worlds[1:]
+                          if target.num_experts and target.num_experts % w == 0]
         if layout.engine == "fsdp2":
             return out + [Layout("fsdp2", w, 1, 1, layout.micro_batch_size) for w in worlds[1:]]
         tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size] if family.supports_tp else [])

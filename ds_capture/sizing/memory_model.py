@@ -68,6 +68,12 @@ def checkpoint_expert_storage(quantization: Mapping[str, Any] | None) -> ExpertS
                              detail=f"fp8 + one fp32 scale per {block[0]}x{block[1]} block")
     if method == "compressed-tensors":
         weights = _compressed_tensors_weights(quantization)
+        if "mxfp4" in str(quantization.get("format", "")).lower() or (
+                str(weights.get("type", "")).lower() == "float" and int(weights.get("num_bits", 8)) == 4):
+            # Kimi K3's MXFP4 experts: packed e2m1 pairs + one uint8 (e8m0) scale per group of 32.
+            group = int(weights.get("group_size") or 32)
+            return ExpertStorage(format="mxfp4", bytes_per_param=0.5 + 1 / group,
+                                 detail=f"mxfp4 (packed e2m1) + one 1-byte e8m0 scale per {group}")
         bits = int(weights.get("num_bits", 8))
         group = int(weights.get("group_size") or 32)
         if bits == 4:

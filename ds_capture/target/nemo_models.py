@@ -193,6 +193,15 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     stats = LoadStats()
     for key, placement in reads:
         start, count = rows.get(placement.native, (0, None))
+        if getattr(destinations[placement.native], "resident_packed", False):  # experts kept as released
+            if key not in quantized:
+                raise CaptureError(f"{index[key]}: {key} is not quantized; capture.expert_storage: checkpoint keeps "
+                                   "only quantized routed experts packed. Use capture.expert_storage: dequantized.")
+            num_bytes, numel = destinations[placement.native].put(placement, quantized[key], dtype)
+            stats.bytes_read += num_bytes
+            stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
+            written[placement.native] = written.get(placement.native, 0) + numel
+            continue
         # The release tensor's rows are the native ones: read only this rank's (a 183 GiB Engram table's 1/world).
         sliced = (count is not None and placement.expert is None and not placement.index
                   and not placement.transpose and placement.narrow is None)

@@ -2,9 +2,11 @@
 
 Run under a launcher, one process per rank:
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/_plan_worker.py CASES_JSON OUT_DIR
-In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2", "tp_size": t, "ep_size": e}``.
+In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2", "tp_size": t, "ep_size": e}`` (and
+     optionally ``"expert_storage"``).
 Out: ``OUT_DIR/rank{r}.json``: per case, every parameter and buffer of the loaded model on this rank as
-     ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard).
+     ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard), and the stored bytes of
+     every packed GroupedExperts stack (``capture.expert_storage: checkpoint``).
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def main(cases_path: str, out_dir: str) -> None:
             repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
             groups = new_groups(plan)
             if case["engine"] == "fsdp2":
-                model = build_fsdp2_model(target, plan, groups, dtype=torch.float32, attn_implementation=None)
+                model = build_fsdp2_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
+                                          expert_storage=case.get("expert_storage", "dequantized"))
             else:
                 model, _ = build_sharded_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
                                                ds_config=None)
-            results.append({**case, "rank": env.rank, "tp_rank": plan.tp_rank, "tensors": local_tensors(model)})
+            from ds_capture.parallel.packed_grouped_experts import packed_stacks
+
+            packed = {name: stack.packed_bytes() for name, stack in packed_stacks(model).items()}
+            results.append({**case, "rank": env.rank, "tp_rank": plan.tp_rank, "tensors": local_tensors(model),
+                            "packed_bytes": packed})
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(results))
 
 

@@ -10,8 +10,10 @@ for byte, in fp32 and in bf16 (the same expert selection: a flipped top-k in bf1
 
 Layer ids: V4.1 captures at its feature module (ids ``0..L-1``, ``-1`` refused), K3 through NeMo's generic rule.
 Every outcome is recorded in ``benchmarks/results/support_matrix.json`` under ``DS_CAPTURE_FULL=1`` (the table in
-docs/support.md). CI keeps V4.1's fp32 EP cell, K3's bf16 EP cell and one TP refusal; the rest is ``slow``
-(measured once: every cell 0.0 max relative diff, the EP caches byte-identical).
+docs/support.md). CI keeps V4.1's fp32 EP cell, K3's bf16 EP cell, K3's fp32 cell of FSDP2's expert-parallel layout
+with its MXFP4 experts kept packed (``fsdp2-ep-packed``) and one TP refusal; the rest is ``slow`` (measured once:
+every cell 0.0 max relative diff, the EP caches byte-identical; FSDP2's expert-parallel layout on 2 and 4 ranks,
+dequantized and packed, fp32 and bf16: byte-identical too).
 """
 
 from __future__ import annotations
@@ -39,28 +41,39 @@ DTYPES = {"fp32": {"cache_dtype": "fp32", "compute_dtype": "fp32"},
 
 # (model_type, layout, nproc, ep_size, engine): the supported layouts checked for equality with one process.
 # K3's fp32 EP cell is slow: its bf16 EP cell (in CI) runs the same split, byte for byte.
-_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed")]
+# "fsdp2-ep": engine fsdp2 with ep_size = world (routed experts expert-parallel and ignored by fully_shard, Engram
+# tables row-split, every other parameter sharded): exact, so byte for byte too.
+# "fsdp2-ep-packed": the same with capture.expert_storage: checkpoint (the experts kept packed as released, rebuilt
+# one at a time in the forward): the dequantized path's bytes.
+_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep-packed", 2, 2, "fsdp2")]
 _SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"),
+               *[(m, layout, 2, 2, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")
+                 if (m, layout) != ("kimi_k3", "fsdp2-ep-packed")],
+               *[(m, layout, 4, 4, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")],
                *[(m, layout, 2, ep, engine) for m in sorted(LAYER_IDS)
                  for layout, ep, engine in (("dp", 1, "deepspeed"), ("fsdp2", 1, "fsdp2"))]]
 EQUAL_CASES = [*_CI_CASES, *[pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_CASES]]
 REFUSED_CASES = [("kimi_k3", "tp"), pytest.param("deepseek_v41", "tp", marks=pytest.mark.slow)]
 # bf16 EP vs one process, bitwise: K3 in CI (12 s with its reference), V4.1 slow (17 s).
-BF16_CASES = ["kimi_k3", pytest.param("deepseek_v41", marks=pytest.mark.slow)]
+BF16_CASES = [("kimi_k3", "deepspeed", "dequantized"),
+              pytest.param("deepseek_v41", "deepspeed", "dequantized", marks=pytest.mark.slow),
+              *[pytest.param(m, "fsdp2", storage, marks=pytest.mark.slow) for m in sorted(LAYER_IDS)
+                for storage in ("dequantized", "checkpoint")]]
 
 
 def _case_id(case) -> str:
     values = case.values if hasattr(case, "values") else case  # a pytest.param (slow) or a plain tuple
-    return f"{values[0]}-{values[1]}"
+    return f"{values[0]}-{values[1]}" + (f"-{values[2]}" if len(values) > 2 and values[2] != 2 else "")
 
 
 def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_size: int = 1,
-            engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]") -> Path:
+            engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]",
+            expert_storage: str = "dequantized") -> Path:
     recipe = out.parent / f"{out.name}.yaml"
     recipe.write_text(yaml.safe_dump({
         "engine": engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
-        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"]},
+        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"], "expert_storage": expert_storage},
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                             train_split=split, cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype=DTYPES[dtype]["cache_dtype"],
@@ -103,8 +116,9 @@ def single_caches(releases, tmp_path_factory):
 
 
 def _run_layout(release: Path, out: Path, model_type: str, nproc: int, ep_size: int, engine: str, dtype: str,
-                split: str = "train[:8]"):
-    result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split))
+                split: str = "train[:8]", expert_storage: str = "dequantized"):
+    result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split,
+                                 expert_storage=expert_storage))
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     manifest = json.loads((out / "manifest.json").read_text())
@@ -121,23 +135,25 @@ def test_layout_equals_single_process(releases, single_caches, tmp_path, model_t
     reference = single_caches(model_type)
     record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
     out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32")
+    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32",
+                expert_storage="checkpoint" if layout.endswith("-packed") else "dequantized")
     diff = max_rel_diff(reference, out)
     record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                 "nproc": nproc, "tp_size": 1, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)
-    if layout == "ep":  # GroupedExperts' split is exact: the very bytes of one process
+    if layout in ("ep", "fsdp2-ep", "fsdp2-ep-packed"):  # GroupedExperts' split is exact: the very bytes of one process
         assert safetensors_digests(out) == safetensors_digests(reference), (model_type, layout, diff)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model_type", BF16_CASES)
-def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type):
-    """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same."""
+@pytest.mark.parametrize("model_type, engine, expert_storage", BF16_CASES)
+def test_expert_parallel_bf16_is_bitwise(releases, single_caches, tmp_path, model_type, engine, expert_storage):
+    """bf16 compute and cache: EP routes every token to the experts one process picks, so the bytes are the same
+    (``fsdp2``: FSDP2's expert-parallel layout, the rest sharded and gathered per block)."""
     reference = single_caches(model_type, "bf16")
     out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, 2, 2, "deepspeed", "bf16")
+    _run_layout(releases[model_type], out, model_type, 2, 2, engine, "bf16", expert_storage=expert_storage)
     assert safetensors_digests(out) == safetensors_digests(reference), (model_type, max_rel_diff(reference, out))
 
 

@@ -60,3 +60,41 @@ def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
             # The layout really shards: every case holds less than the whole model on this rank.
             whole = sizers[case["target"]].table("deepspeed", 1, 1, 1)
             assert sum(n for n, _ in planned.values()) < sum(e.numel() for e in whole.tensors), label
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_plan_counts_fsdp2_expert_parallel_layout_of_nemo_families(tmp_path):
+    """FSDP2's expert-parallel layout (engine fsdp2, ep_size = world) on the tiny releases: plan's table names every
+    local tensor with its local size (experts E/2, Engram rows 1/2, the rest dim-0 chunks), and with the experts
+    kept packed (K3) plan's routed-expert bytes are the stacks' stored bytes."""
+    pytest.importorskip("nemo_automodel")
+    from ds_capture.demo import demo_tokenizer
+    from ds_capture.sizing import memory_model as mm
+    from ds_capture.sizing.command import target_quantization
+    from tests import nemo_k3_release, nemo_v41_release
+
+    v41 = nemo_v41_release.write_tiny_v41_release(tmp_path / "v41", seed=0, tokenizer=demo_tokenizer())
+    k3 = nemo_k3_release.write_tiny_k3_release(tmp_path / "k3", seed=0, tokenizer=demo_tokenizer())
+    cases = [{"target": str(v41), "engine": "fsdp2", "tp_size": 1, "ep_size": 2},
+             {"target": str(k3), "engine": "fsdp2", "tp_size": 1, "ep_size": 2, "expert_storage": "checkpoint"}]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = kh.run_script_forked(2, [WORKER, tmp_path / "cases.json", tmp_path], timeout_s=230)
+    assert result.returncode == 0, result.stdout[-6000:]
+    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for results in per_rank:
+        for case in results:
+            target = read_target_info(Path(case["target"]))
+            table = _sizer(Path(case["target"])).table("fsdp2", 1, 2, 2)
+            planned = {e.name: [fsdp2_local_numel(e, 2, case["rank"]), e.itemsize] for e in table.tensors}
+            label = f"{target.model_type} rank={case['rank']}"
+            if case["packed_bytes"]:
+                storage = mm.checkpoint_expert_storage(target_quantization(target))
+                experts = [e for e in table.tensors if e.is_expert]
+                assert {e.name for e in experts} == set(case["packed_bytes"]), label
+                assert sum(case["packed_bytes"].values()) == pytest.approx(
+                    sum(mm.stored_bytes(e.numel(), e.itemsize, is_routed_expert=True, storage=storage)
+                        for e in experts)), label
+                planned = {k: v for k, v in planned.items() if k not in case["packed_bytes"]}
+            assert planned == case["tensors"], (label, {k: (planned.get(k), v) for k, v in case["tensors"].items()
+                                                        if planned.get(k) != v})

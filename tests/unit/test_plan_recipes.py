@@ -27,7 +27,8 @@ TINY_RECIPES = {"demo.yaml", "demo_eagle3.yaml", "tiny_moe_tp2_ep2.yaml"}
 # says it serves; the storage is the one capture.expert_storage gives that release (dequantized: bf16).
 SERVES = {
     "deepseek_v4_flash.yaml": [("deepseek_v4_flash", 1, 1, 8, "fp4")],
-    "deepseek_v41.yaml": [("deepseek_v41", 4, 1, 32, "dequantized")],
+    "deepseek_v41.yaml": [("deepseek_v41", 2, 1, 16, "fp4")],
+    "kimi_k3.yaml": [("kimi_k3", 4, 1, 32, "mxfp4")],
     "deepseek_v3_kimi_k2.yaml": [("deepseek_v3", 2, 8, 16, "fp8"), ("kimi_k2", 4, 8, 32, "fp8")],
     "glm5.yaml": [("glm5_fp8", 4, 1, 32, "fp8"), ("glm5", 8, 1, 64, "dequantized")],
     "glm5_tp8_ep32.yaml": [("glm5", 4, 8, 32, "dequantized")],
