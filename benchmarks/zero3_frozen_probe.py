@@ -155,6 +155,16 @@ def run_variant(variant: str, ref_logits, input_ids, ep_logits=None):
             # zero-init model and skips its _broadcast_model (which would overwrite every rank's experts
             # with rank 0's); Init broadcasts each parameter inside its own partition group only
             deepspeed.zero.Init(module=model, config_dict_or_path=ds_config(offload=variant.endswith("offload")))
+        if kind == "ep_stream":
+            # one parameter at a time, as a loader would (load it whole, convert it, drop the full copy): the
+            # experts first (Init on one experts module), then every other parameter through the bound
+            # convert_to_zero_parameters of a converted one
+            first = next(m for n, m in model.named_modules() if n.endswith(".mlp.experts"))
+            deepspeed.zero.Init(module=first, config_dict_or_path=ds_config())
+            convert = next(p for p in model.parameters() if hasattr(p, "ds_id")).convert_to_zero_parameters
+            for _, p in model.named_parameters():
+                if not hasattr(p, "ds_id"):
+                    convert(param_list=[p])
     result = {"variant": variant, "world": world, "experts_implementation": getattr(model.config, "_experts_implementation", None)}
     if kind == "ep_only":  # the expert-parallel layer alone, no DeepSpeed: the baseline for "ep"
         with torch.no_grad():
@@ -175,6 +185,18 @@ def run_variant(variant: str, ref_logits, input_ids, ep_logits=None):
     result["optimizer"] = type(engine.optimizer).__name__ if engine.optimizer is not None else None
     rows = partition_report(engine.module)
     result["partition"] = summarize(rows, is_expert_name)
+    # the transient: at every module's forward (after DeepSpeed's own pre-hook gathered its parameters), how many
+    # elements of the rest are materialised on this rank, all modules together
+    rest_params = [(n, p) for n, p in engine.module.named_parameters() if not is_expert_name(n)]
+    peak = {"numel": 0, "module": None, "held": []}
+
+    def watch(module, _args):
+        held = sum(p.data.numel() for _, p in rest_params)
+        if held > peak["numel"]:
+            peak["numel"], peak["module"] = held, type(module).__name__
+            peak["held"] = [n for n, p in rest_params if p.data.numel()]
+
+    handles = [m.register_forward_pre_hook(watch) for m in engine.module.modules()]
     try:
         with torch.no_grad():
             logits = forward(engine)
@@ -198,6 +220,17 @@ def run_variant(variant: str, ref_logits, input_ids, ep_logits=None):
         with torch.no_grad():
             logits2 = forward(engine)
         result["second_forward_equals_first"] = bool(torch.equal(logits2, logits))
+        with torch.no_grad():  # the unwrapped module, with the hooks DeepSpeedZeRoOffload registered on it
+            logits3 = forward(engine.module)
+        result["engine_module_forward_equals_engine"] = bool(torch.equal(logits3, logits))
+        for h in handles:
+            h.remove()
+        result["max_rest_numel_materialised_in_forward"] = peak["numel"]
+        result["at_module"] = peak["module"]
+        result["held_at_peak"] = peak["held"]
+        result["largest_rest_module_numel"] = max(
+            sum(getattr(p, "ds_numel", p.numel()) for n, p in m.named_parameters(recurse=False)
+                if not is_expert_name(f"{mn}.{n}")) for mn, m in engine.module.named_modules())
     except Exception as exc:  # noqa: BLE001
         result["forward_error"] = f"{type(exc).__name__}: {exc}"
         result["traceback_tail"] = traceback.format_exc().splitlines()[-8:]
@@ -211,7 +244,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = tdist.get_rank()
     variants = sys.argv[1:] or ["plain", "plain_offload", "ep", "ep_init", "ep_moeflag", "ep_init_offload",
-                                "k3_plain", "k3_ep", "k3_ep_init", "k3_ep_init_offload"]
+                                "ep_stream", "k3_plain", "k3_ep", "k3_ep_init", "k3_ep_init_offload", "k3_ep_stream"]
     for family in ("qwen", "k3"):
         mine = [v for v in variants if v.startswith("k3_") == (family == "k3")]
         if not mine:
