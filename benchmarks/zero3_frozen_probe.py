@@ -4,13 +4,18 @@ the partitioning, and is its forward bitwise the single-process forward?  (issue
 
     torchrun --nproc_per_node 2 --master_port 4xxxx benchmarks/zero3_frozen_probe.py [variant ...]
 
-Variants (default: all):
-  plain    deepspeed.initialize(stage 3, no optimizer) on the whole replicated model (experts included)
-  ep       experts first split expert-parallel (ds_capture apply_expert_parallel, ep_size = world); each
-           expert parameter is given a one-rank partition group (``ds_zero_partition_process_group``, the
-           attribute 0.19.8's Init._convert_to_deepspeed_param reads, as its AutoEP does with the
-           expert-data-parallel group), so it is never sharded nor gathered across ranks; the rest is
-           partitioned over the world.
+Variants (default: all; ``k3_`` prefix: the same on the tiny release-layout Kimi K3, NeMo's classes):
+  plain            deepspeed.initialize(stage 3, no optimizer) on the whole replicated model (experts included)
+  plain_offload    the same with offload_param: cpu (ZeRO-Inference's form)
+  ep_only          ds_capture's expert-parallel layer alone (ep_size = world), no DeepSpeed: the EP baseline
+  ep               experts split expert-parallel, each expert parameter given a one-rank partition group
+                   (``ds_zero_partition_process_group``, the attribute 0.19.8's Init._convert_to_deepspeed_param
+                   reads, as its AutoEP does with the expert-data-parallel group), then deepspeed.initialize:
+                   wrong, the engine's _broadcast_model copies rank 0's experts to every rank first
+  ep_init          the same, converted by deepspeed.zero.Init(module=model) before initialize (no broadcast)
+  ep_moeflag       as ep, experts also tagged allreduce=False / group_name (DeepSpeed MoE's marker)
+  ep_init_offload  ep_init with offload_param: cpu
+  ep_stream        experts converted first, then every other parameter one at a time
 Prints one JSON line per variant from rank 0.
 """
 
