@@ -170,7 +170,8 @@ def run_variant(variant: str, ref_logits, input_ids, ep_logits=None):
             for _, p in model.named_parameters():
                 if not hasattr(p, "ds_id"):
                     convert(param_list=[p])
-    result = {"variant": variant, "world": world, "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+    result = {"variant": variant, "world": world,
+              "experts_implementation": getattr(model.config, "_experts_implementation", None)}
     if kind == "ep_only":  # the expert-parallel layer alone, no DeepSpeed: the baseline for "ep"
         with torch.no_grad():
             logits = forward(model)
