@@ -106,7 +106,8 @@ def sigterm_ranks_mid_run(kind: str, cfg: Path, out: Path, log_path: Path) -> tu
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("kind", ["torchrun_script", "deepspeed"])
+# CI cut: torchrun through launch/torchrun.sh (what Slurm preempts); the deepspeed launcher runs with --full.
+@pytest.mark.parametrize("kind", ["torchrun_script", pytest.param("deepspeed", marks=pytest.mark.slow)])
 def test_sigterm_to_every_rank_stops_at_a_boundary_and_the_rerun_is_byte_identical(setup, tmp_path, kind) -> None:
     out = tmp_path / "cache"
     cfg = write_recipe(tmp_path / "run.yaml", setup["target"], setup["data"], out)

@@ -108,6 +108,7 @@ def test_srun_with_2_tasks_gives_the_one_process_cache(slurm_cluster, setup, tmp
     assert_equals_reference(out, setup["reference"])
 
 
+@pytest.mark.slow  # CI cut: the sbatch run stays; preemption + requeue (43 s) runs with --full
 @pytest.mark.timeout(400)
 def test_scancel_signal_term_mid_run_requeues_and_finishes_the_same_cache(slurm_cluster, setup, tmp_path) -> None:
     """``scancel --signal=TERM``, as a preemption sends it: both tasks stop at a boundary and exit 75, the script

@@ -131,6 +131,7 @@ def test_sigkill_mid_way_then_rerun_equals_uninterrupted(served_demo_target, ref
     assert not OutputPaths(out).partial.exists()
 
 
+@pytest.mark.slow  # CI cut: tests/unit/test_regenerate.py covers an unreachable server (exit 75, nothing lost)
 def test_server_stopped_mid_way_then_rerun_after_restart(served_demo_target, reference, tmp_path, capsys,
                                                          monkeypatch):
     out = tmp_path / "out.jsonl"

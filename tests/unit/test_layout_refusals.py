@@ -16,6 +16,7 @@ import pytest
 import torch.distributed
 
 import ds_capture.runner as runner
+import ds_capture.session as session
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import load_config
 
@@ -31,7 +32,8 @@ def no_side_effects(monkeypatch):
             raise AssertionError(f"{name} called before the layout was validated")
         return spy
 
-    monkeypatch.setattr(runner, "distributed_session", forbidden("distributed_session"))
+    # The process group is opened by the target session every driver shares (ds_capture/session.py).
+    monkeypatch.setattr(session, "distributed_session", forbidden("distributed_session"))
     monkeypatch.setattr(runner, "build_model", forbidden("build_model"))
     return calls
 
