@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ds_capture.cache.common.identity import read_target_weights
+from ds_capture.cache.eagle3.draft_distribution import logits_mismatch
 from ds_capture.capture.interrupt import StopOnSignal, StopVote
 from ds_capture.capture.progress import collective_device
 from ds_capture.errors import CaptureError
@@ -47,11 +48,6 @@ from ds_capture.session import (
 )
 
 _LOG = logging.getLogger("ds_capture")
-
-# The model's own last-position logits must equal lm_head(final norm output) within this (x max |logit|), as in
-# the EAGLE-3 cache kind: summation order across TP ranks aside, a family that post-processes its logits fails.
-_LOGITS_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 3e-2}
-
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -240,7 +236,7 @@ class _Lockstep:
         aux, last = self.forward.hooks.collect(self.compute_dtype)
         self.forward.hooks.reset()
         if not self._logits_checked:
-            problem = self.supervisor.check_logits(last, output, _LOGITS_TOLERANCE[self.compute_dtype])
+            problem = logits_mismatch(self.supervisor.logits(last[:, -1]), output, self.compute_dtype)
             if problem is not None:
                 raise CaptureError(f"{problem}; ds-capture serve cannot answer generate for this target.")
             self._logits_checked = True

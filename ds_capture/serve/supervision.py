@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds_capture.cache.eagle3.kind import shift_left  # NeMo's _shift_left_with_zero, as the EAGLE-3 cache shifts
+
 LOGITS_CHUNK_BYTES = 256 * 2**20
 """Upper bound on one chunk's fp32-sized logits (b rows x S x V); at least one row."""
 
@@ -41,11 +43,6 @@ class VocabMapping:
     def same_as(self, other: "VocabMapping") -> bool:
         return (torch.equal(self.selected_token_ids, other.selected_token_ids)
                 and torch.equal(self.selected_token_mask, other.selected_token_mask))
-
-
-def shift_left(tensor: torch.Tensor) -> torch.Tensor:
-    """NeMo's ``_shift_left_with_zero``: ``x[:, t + 1]`` at t, zeros at ``S - 1``."""
-    return torch.cat((tensor[:, 1:], torch.zeros_like(tensor[:, :1])), dim=1)
 
 
 class Supervisor:
@@ -87,17 +84,3 @@ class Supervisor:
             "input_ids": shift_left(input_ids),
             "loss_mask": shifted_loss_mask,
         }
-
-    def check_logits(self, last: torch.Tensor, output, tolerance: float) -> str | None:
-        """Why the model's own last-position logits are not ``lm_head(final norm output)``, or None where they are.
-
-        A family that post-processes its logits (softcapping, scaling) cannot be served from the final state."""
-        logits = output.logits if hasattr(output, "logits") else output
-        theirs = logits[:, -1].float()
-        ours = self.logits(last[:, -1]).float()
-        scale = max(1.0, float(theirs.abs().max()))
-        diff = float((ours - theirs).abs().max())
-        if diff > tolerance * scale:
-            return (f"the target's logits are not lm_head(final norm output) (max |difference| {diff:.3g} at the "
-                    f"last position, logits up to {scale:.3g}): this family post-processes its logits")
-        return None

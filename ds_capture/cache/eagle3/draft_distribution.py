@@ -23,6 +23,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The model's own last-position logits must equal lm_head(final norm output) within this (x max |logit|):
+# summation order across TP ranks aside, a family that post-processes its logits fails it loudly.
+_LOGITS_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+
+
+def logits_mismatch(ours: torch.Tensor, output, compute_dtype: torch.dtype) -> str | None:
+    """Why the model's own last-position logits (``output``, or its ``.logits``) are not ``ours`` (lm_head of the
+    final norm output at the last position, [B, V]), or None where they are: the check the EAGLE-3 kind and
+    ``ds-capture serve`` both make before computing a distribution from the final hidden state."""
+    logits = output.logits if hasattr(output, "logits") else output  # NeMo's own classes may return the tensor
+    theirs = logits[:, -1].float()
+    scale = max(1.0, float(theirs.abs().max()))
+    diff = float((ours.float() - theirs).abs().max())
+    if diff > _LOGITS_TOLERANCE[compute_dtype] * scale:
+        return (f"the target's logits are not lm_head(final norm output) (max |difference| {diff:.3g} at the last "
+                f"position, logits up to {scale:.3g}): this family post-processes its logits")
+    return None
+
+
 LOGITS_CHUNK_BYTES = 64 * 2**20
 """Upper bound on one chunk's fp32-sized logits (C positions x V); the distribution's working memory."""
 

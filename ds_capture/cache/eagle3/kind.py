@@ -32,6 +32,7 @@ from ds_capture.cache.common.verify import padding_lengths
 from ds_capture.cache.eagle3.draft_distribution import (
     DraftDistribution,
     count_supervised_tokens,
+    logits_mismatch,
     select_draft_vocab,
     sum_counts_over_ranks,
 )
@@ -56,11 +57,6 @@ from ds_capture.recipe.config import RunConfig
 from ds_capture.target.families import TargetInfo
 
 _LOG = logging.getLogger("ds_capture")
-
-# The model's own last-position logits must equal lm_head(final norm output) within this (x max |logit|):
-# summation order across TP ranks aside, a family that post-processes its logits fails it loudly.
-_LOGITS_TOLERANCE = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 3e-2}
-
 
 def nemo_attention_mask(input_ids: torch.Tensor, strip_id: int | None, eos_id: int | None) -> torch.Tensor:
     """NeMo's ``attention_mask`` [B, S] int64: strip the trailing run of ``strip_id``; when it is eos the first
@@ -220,17 +216,10 @@ class Eagle3Kind:
 
     def _check_logits(self, last: torch.Tensor, output: Any) -> None:
         """lm_head(final norm output) must be the model's own logits (here at the last computed position)."""
-        logits = output.logits if hasattr(output, "logits") else output  # NeMo's own classes may return the tensor
-        theirs = logits[:, -1].float()
-        ours = self.distribution.logits(last[:, -1]).float()
-        scale = max(1.0, float(theirs.abs().max()))
-        diff = float((ours - theirs).abs().max())
-        if diff > _LOGITS_TOLERANCE[self.compute_dtype] * scale:
-            raise CaptureError(
-                f"the target's logits are not lm_head(final norm output) (max |difference| {diff:.3g} at the last "
-                f"position, logits up to {scale:.3g}): this family post-processes its logits, so the EAGLE-3 "
-                "distribution cannot be computed in chunks from the final hidden state. Use cache_kind: dspark for "
-                "this target.")
+        problem = logits_mismatch(self.distribution.logits(last[:, -1]), output, self.compute_dtype)
+        if problem is not None:
+            raise CaptureError(f"{problem}, so the EAGLE-3 distribution cannot be computed in chunks from the final "
+                               "hidden state. Use cache_kind: dspark for this target.")
 
     def finish(self, out_dir: Path, manifest: Eagle3Manifest) -> None:
         write_complete(out_dir, manifest)
