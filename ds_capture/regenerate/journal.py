@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_capture.durable import fsync_dir
 from ds_capture.errors import CaptureError
 
 JOURNAL_FORMAT = 1
@@ -269,15 +270,6 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` survive a power loss, not only a killed process."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _differences(before: Any, now: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ds_capture"
 FLOORS = [
     ("ds_capture", 0),  # the package's __init__: __version__
     ("ds_capture.errors", 0),
+    ("ds_capture.durable", 0),  # fsync of a directory: the cache writers and regenerate's journal
     ("ds_capture.demo", 1),
     ("ds_capture.recipe", 2),
     ("ds_capture.data", 3),

@@ -29,7 +29,8 @@ from ds_capture.cache.common.names import (
     legacy_checksum_name,
     shard_name,
 )
-from ds_capture.cache.common.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest, fsync_dir
+from ds_capture.cache.common.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest
+from ds_capture.durable import fsync_dir
 from ds_capture.capture.liveness import refuse_if_frozen
 
 TMP_SUFFIX = ".tmp"

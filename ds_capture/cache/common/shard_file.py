@@ -36,6 +36,7 @@ import torch
 import xxhash
 
 from ds_capture.capture.liveness import refuse_if_frozen
+from ds_capture.durable import fsync_dir
 
 ROWS_DIGEST = "xxh3-128-rows"
 """Tag of the checksum defined in the module docstring (sidecars say which algorithm they hold)."""
@@ -211,15 +212,6 @@ class ShardFile:
             os.close(self._fd)
             self._fd = -1
         self.tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(directory: Path) -> None:
-    """A rename is durable only once the directory entry is flushed."""
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def file_digest(path: Path) -> str:
