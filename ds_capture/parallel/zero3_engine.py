@@ -160,12 +160,16 @@ def _load_block_by_block(model: nn.Module, target: TargetInfo, rows: dict[str, t
     dtype = model_dtype(model)
     packed = packed_stacks(model)
     names = set(model.state_dict(keep_vars=True)) | set(packed)
+    filled: set[str] = set()  # the last block is the whole model: its layers' stacks are filled already
     for prefix, block in _blocks(model, target.family):
         fresh = _materialise_and_partition(block, prefix, device, deepspeed)
         destinations: dict[str, Any] = {}
         block_rows: dict[str, tuple[int, int]] = {}
         finish: list[Callable[[], None]] = []
         for name, tensor in fresh.items():
+            if name in filled:
+                continue
+            filled.add(name)
             if name in packed:
                 stack = packed[name]
                 destinations[name], block_rows[name] = stack, (stack.first_expert, stack.shape[0])

@@ -351,9 +351,8 @@ class Sizer:
         of the world), the experts and tables as held, buffers whole."""
         kinds = dict.fromkeys(KINDS, 0.0)
         for entry in table.tensors:
-            numel = -(-entry.numel() // world_size) if entry.zero3_partitioned else entry.numel()
-            kinds[entry.kind] += mm.stored_bytes(numel, entry.itemsize, is_routed_expert=entry.is_expert,
-                                                 storage=storage)
+            kinds[entry.kind] += mm.stored_bytes(zero3_local_numel(entry, world_size), entry.itemsize,
+                                                 is_routed_expert=entry.is_expert, storage=storage)
         return kinds
 
     @staticmethod
@@ -453,6 +452,11 @@ def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
     if not entry.fsdp_sharded:
         return entry.numel()
     return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
+
+
+def zero3_local_numel(entry: TensorEntry, world_size: int) -> int:
+    """Elements of ``entry`` on every rank under ZeRO-3: ``ceil(numel / world)`` if it is partitioned, else all."""
+    return -(-entry.numel() // world_size) if entry.zero3_partitioned else entry.numel()
 
 
 def _divisors(n: int) -> list[int]:
