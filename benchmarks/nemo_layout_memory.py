@@ -1,19 +1,23 @@
 """An engine's expert-parallel layout on larger tiny release-layout Kimi K3 and DeepSeek-V4.1 targets: plan's
 per-rank figures beside the measured memory per rank, at world 1, 2 and 4.
 
-In:  ``--engine`` (default ``fsdp2``; the recipe's ``engine`` key and the worker's ``build_model`` engine). Two
+In:  ``--engine``: ``fsdp2`` (default; FSDP2's layout) or ``zero3`` (``engine: deepspeed`` with
+     ``deepspeed_config: {zero_optimization: {stage: 3}}``: DeepSpeed ZeRO-3's layout). Two
      releases per family, written under /tmp and deleted after, quantized as released (tests/nemo_k3_release.py: K3's
      MXFP4 experts; tests/nemo_v41_release.py: V4.1's FP4 experts, FP8 blocks, FP8 Engram tables): the tiny one
      (``scale`` 1, ~1-2 MB in fp32) for the warm-up, and the measured one, every width times :data:`SCALE`
      (~240 MB / ~270 MB of parameters in fp32), so that the parameter bytes outweigh a process's fixed build cost.
-Out: one JSON object on stdout (also ``benchmarks/results/nemo_layout_memory.json``):
+Out: one JSON object on stdout (also ``benchmarks/results/nemo_layout_memory.json``, or
+     ``nemo_layout_memory_zero3.json`` for ``--engine zero3``):
      ``targets.<family>.world<N>``, per rank:
        * ``plan_param_mb``: ``ds-capture plan``'s parameter bytes for that rank (``engine`` as given,
          ``distributed.ep_size`` = world, ``capture.expert_storage: checkpoint``; world 1: the plain model,
-         experts dequantized); ``plan_gather_mb`` its FSDP2 transient (root + two layers), ``plan_activation_mb``
+         experts dequantized); ``plan_gather_mb`` its gathered transient (FSDP2: root + two layers; ZeRO-3: the
+         largest chain of modules' own parameters, or the load's module + block partitions), ``plan_activation_mb``
          its forward activations (with one MoE layer's local experts dequantized as scratch under ``checkpoint``)
          and ``plan_peak_mb_without_reserve`` its peak less the flat 3 GiB GPU reserve (fp32, 2 x 32 tokens);
-       * ``param_mb``: the rank's parameters + buffers as built (DTensor local shards, packed experts' stored bytes);
+       * ``param_mb``: the rank's parameters + buffers as built (DTensor local shards, ZeRO-3 partitions, packed
+         experts' stored bytes);
        * ``load_rss_mb``: RSS after building + loading, ``load_growth_mb``: the peak RSS while building + loading,
          ``forward_growth_mb``: the peak RSS during one forward of 2 x 32 tokens, all over the baseline, with
          glibc's mmap threshold fixed (:data:`FIXED_MMAP_THRESHOLD`), so that RSS follows what the process holds;
@@ -33,7 +37,7 @@ the larger model costs: its parameters, and the transients that scale with it (F
 loader's read buffers, the dequantized experts, the activations). fp32 compute on CPU (gloo), torchrun ranks,
 one thread each, one run each (box shared: RSS figures are +-5 MB); about 4 minutes on 2 cores.
 
-    python benchmarks/nemo_layout_memory.py [--engine fsdp2]
+    python benchmarks/nemo_layout_memory.py [--engine fsdp2|zero3]
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 system when freed. Left adaptive (the default), the threshold rises to the largest block freed so far (up to
 32 MiB), so FSDP2's gathered layers, once freed, come back from the heap and the heap keeps the pages."""
 MB = 2**20
+ENGINES = {"fsdp2": ("fsdp2", None), "zero3": ("deepspeed", {"zero_optimization": {"stage": 3}})}
+"""``--engine`` -> (the recipe's ``engine``, its ``deepspeed_config``)."""
 
 
 def _status_kb(key: str) -> int:
@@ -96,8 +102,9 @@ def worker(engine: str, tiny_release: str, release: str, storage: str) -> None:
             groups = new_groups(plan)
 
         def build(path: str) -> torch.nn.Module:
-            return build_model(engine, read_target_info(Path(path)), plan, groups, dtype=torch.float32,
-                               attn_implementation=None, ds_config=None, expert_storage=storage)
+            name, ds_config = ENGINES[engine]
+            return build_model(name, read_target_info(Path(path)), plan, groups, dtype=torch.float32,
+                               attn_implementation=None, ds_config=ds_config, expert_storage=storage)
 
         with torch.no_grad():  # the warm-up: every one-time cost of a build and a forward, then nothing held
             build(tiny_release)(input_ids=input_ids)
@@ -113,7 +120,7 @@ def worker(engine: str, tiny_release: str, release: str, storage: str) -> None:
         forward_peak_kb = _status_kb("VmHWM")
 
         def local_bytes(t: torch.Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
+            t = t.to_local() if hasattr(t, "to_local") else getattr(t, "ds_tensor", t)
             return t.numel() * t.element_size()
 
         local = sum(local_bytes(t) for t in (*model.parameters(), *model.buffers()))
@@ -196,8 +203,10 @@ def main(engine: str) -> None:
             for world in WORLDS:
                 storage = "dequantized" if world == 1 else "checkpoint"
                 recipe = tmp / f"{model_type}-{world}.yaml"
+                name, ds_config = ENGINES[engine]
                 recipe.write_text(yaml.safe_dump({
-                    "engine": engine, "distributed": {"tp_size": 1, "ep_size": world},
+                    "engine": name, **({"deepspeed_config": ds_config} if ds_config else {}),
+                    "distributed": {"tp_size": 1, "ep_size": world},
                     "capture": {"compute_dtype": "fp32", "expert_storage": storage},
                     "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                                         cache_output_dir=str(tmp / "unused"), seq_length=32, micro_batch_size=2,
@@ -214,7 +223,8 @@ def main(engine: str) -> None:
             report["summary"][model_type] = summarize(worlds)
         print(json.dumps(report, indent=2))
         (REPO / "benchmarks" / "results").mkdir(exist_ok=True)
-        (REPO / "benchmarks" / "results" / "nemo_layout_memory.json").write_text(json.dumps(report, indent=2) + "\n")
+        out = "nemo_layout_memory.json" if engine == "fsdp2" else f"nemo_layout_memory_{engine}.json"
+        (REPO / "benchmarks" / "results" / out).write_text(json.dumps(report, indent=2) + "\n")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -224,5 +234,6 @@ if __name__ == "__main__":
         worker(*sys.argv[2:6])
     else:
         parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-        parser.add_argument("--engine", default="fsdp2", help="the recipe's engine key (default fsdp2)")
+        parser.add_argument("--engine", default="fsdp2", choices=sorted(ENGINES),
+                            help="fsdp2 (default) or zero3 (engine deepspeed, zero_optimization.stage 3)")
         main(parser.parse_args().engine)

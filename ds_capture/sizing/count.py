@@ -286,7 +286,8 @@ class Sizer:
         target_weights = 2 * self.target.vocab_size * H * 2
         fsdp, zero3 = layout.sharding == "fsdp2", layout.sharding == "zero3"
         gather = (self._fsdp2_gather(table, storage) if fsdp
-                  else self._zero3_gather(table, storage, layout.world_size) if zero3 else 0.0)
+                  else self._zero3_gather(table, storage, layout.world_size, self.target.family.lm_head) if zero3
+                  else 0.0)
         by_role: dict[Any, dict[str, float]] = {}
         estimates = []
         for rank in range(layout.world_size):
@@ -356,19 +357,23 @@ class Sizer:
         return kinds
 
     @staticmethod
-    def _zero3_gather(table: _Table, storage: mm.ExpertStorage, world_size: int) -> float:
+    def _zero3_gather(table: _Table, storage: mm.ExpertStorage, world_size: int, lm_head: str) -> float:
         """ZeRO-3's whole copies, the larger of the forward's and the load's.
 
         Forward: a module's own parameters are gathered at its forward and released after it, so what is whole at
         once is one module's and its ancestors' own parameters (the deepest chain), a one-rank-group expert stack
         (kept expert-parallel) gathered as a copy too when the experts are dequantized; packed experts are no
-        parameters (their per-expert scratch is an activation term). Load (:mod:`ds_capture.parallel.zero3_engine`):
-        one module's own parameters whole before partitioning, beside one block's partitions read as whole rows."""
+        parameters (their per-expert scratch is an activation term). NeMo's causal LMs read ``lm_head.weight``
+        in the root's own forward (``compute_lm_head_logits``), which ZeRO-3 then registers as the root's external
+        parameter and gathers at the root's pre-forward: the lm_head is whole through every forward, so it counts
+        as the root's own. Load (:mod:`ds_capture.parallel.zero3_engine`): one module's own parameters whole before
+        partitioning, beside one block's partitions read as whole rows."""
         own: dict[str, float] = defaultdict(float)
         blocks: dict[int | None, float] = defaultdict(float)
         for entry in table.tensors:
             if entry.zero3_partitioned or (entry.is_expert and storage.bytes_per_param is None):
                 module = entry.name.rpartition(".")[0]
+                module = "" if module == lm_head else module
                 own[module] += mm.stored_bytes(entry.numel(), entry.itemsize, is_routed_expert=entry.is_expert,
                                                storage=storage)
             if entry.zero3_partitioned:  # the rows covering a partition: at most two rows past it
