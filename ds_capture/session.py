@@ -36,6 +36,7 @@ from ds_capture.parallel.dist import DistEnv, distributed_session, repair_cpu_al
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout, build_layout, resolve_degrees
 from ds_capture.parallel.resident_experts import refuse_resident_experts
+from ds_capture.parallel.zero3_engine import uses_zero3
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing.command import refuse_if_not_fitting
 from ds_capture.target.families import TargetInfo, read_target_info
@@ -64,8 +65,10 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
     _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
+    zero3 = uses_zero3(cfg.engine, cfg.deepspeed_config, cfg.deepspeed_config_source, target.family,
+                       world_size=env.world_size, tp_size=tp_size, ep_size=ep_size)
     refuse_resident_experts(target.family, cfg.capture.expert_storage,
-                            fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1 and env.world_size > 1)
+                            partitioned_ep=(cfg.engine == "fsdp2" or zero3) and ep_size > 1 and env.world_size > 1)
     target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
     plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,

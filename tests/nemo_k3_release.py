@@ -34,13 +34,16 @@ VISION_TENSORS = {"vision_tower.patch_embed.proj.weight": (32, 3, 14, 14),
                   "mm_projector.proj.0.weight": (64, 128)}
 
 
-def tiny_text_config(*, attn_res: bool = True, vocab_size: int = 128) -> dict:
-    """The text_config: every K3 feature at tiny sizes (experts' in-dims 64: two MXFP4 groups per row)."""
+def tiny_text_config(*, attn_res: bool = True, vocab_size: int = 128, scale: int = 1) -> dict:
+    """The text_config: every K3 feature at tiny sizes (experts' in-dims 64: two MXFP4 groups per row). ``scale``
+    multiplies every width (hidden, dense / shared / routed expert sizes, MLA's LoRA ranks), so the parameter
+    count grows about ``scale**2`` in the same layout; head counts and sizes, layers and experts stay."""
     return dict(
-        model_type="kimi_linear", architectures=["KimiK3ForCausalLM"], vocab_size=vocab_size, hidden_size=64,
-        intermediate_size=96, num_hidden_layers=NUM_LAYERS, num_attention_heads=2, moe_intermediate_size=64,
-        num_experts=NUM_EXPERTS, num_experts_per_token=2, num_shared_experts=1, routed_expert_hidden_size=64,
-        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        model_type="kimi_linear", architectures=["KimiK3ForCausalLM"], vocab_size=vocab_size, hidden_size=64 * scale,
+        intermediate_size=96 * scale, num_hidden_layers=NUM_LAYERS, num_attention_heads=2,
+        moe_intermediate_size=64 * scale, num_experts=NUM_EXPERTS, num_experts_per_token=2, num_shared_experts=1,
+        routed_expert_hidden_size=64 * scale, first_k_dense_replace=1, q_lora_rank=32 * scale,
+        kv_lora_rank=16 * scale, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
         attn_res_block_size=2 if attn_res else None, latent_moe_use_norm=True, mla_use_output_gate=True,
         linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3],
@@ -84,15 +87,18 @@ def build_nemo_k3(raw_config: dict, *, dtype: torch.dtype, device: str = "cpu"):
 
 
 def write_tiny_k3_release(out_dir: Path, *, seed: int, quantized: bool = True, attn_res: bool = True,
-                          extra_layer: bool = False, tokenizer=None) -> Path:
+                          extra_layer: bool = False, tokenizer=None, scale: int = 1) -> Path:
     """Write the tiny release into ``out_dir`` (see the module docstring) and return ``out_dir``. ``tokenizer``:
-    saved with it (the vocabulary padded to a multiple of 64), e.g. the demo's ChatML one to capture chat data."""
+    saved with it (the vocabulary padded to a multiple of 64), e.g. the demo's ChatML one to capture chat data.
+    ``scale``: every width times ``scale`` (:func:`tiny_text_config`), e.g. 16 for a ~300 MB fp32 model whose
+    parameter bytes outweigh a process's fixed build cost (benchmarks/nemo_layout_memory.py)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = 128 if tokenizer is None else max(128, 64 * -(-len(tokenizer) // 64))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    raw = release_config(tiny_text_config(attn_res=attn_res, vocab_size=vocab_size), quantized=quantized)
+    raw = release_config(tiny_text_config(attn_res=attn_res, vocab_size=vocab_size, scale=scale),
+                         quantized=quantized)
     torch.manual_seed(seed)
     model = build_nemo_k3(raw, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(seed)

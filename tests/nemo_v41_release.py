@@ -3,7 +3,8 @@
     from tests.nemo_v41_release import write_tiny_v41_release
     path = write_tiny_v41_release(tmp_path / "v41", seed=0)
 
-``write_tiny_v41_release(out_dir, *, seed, quantized=True, engram=True, num_layers=6) -> out_dir``:
+``write_tiny_v41_release(out_dir, *, seed, quantized=True, engram=True, num_layers=6, scale=1) -> out_dir``
+(``scale``: every width times ``scale``, below at 1):
 
 - the model: NeMo AutoModel 0.7.0's ``DeepseekV41ForCausalLM`` on CPU, bf16 (the release dtype), every floating
   tensor random (std 0.1): hidden 32, 4 routed experts of intermediate 32 (2 per token), mHC with 4 streams,
@@ -75,8 +76,11 @@ def word_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
 
 
-def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int, vocab_size: int = NUM_WORDS):
-    """NeMo's ``DeepseekV41Config`` of the tiny release (text only, bf16)."""
+def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int, vocab_size: int = NUM_WORDS,
+                    scale: int = 1):
+    """NeMo's ``DeepseekV41Config`` of the tiny release (text only, bf16). ``scale`` multiplies every width (hidden,
+    expert intermediate, q / o LoRA ranks, Engram's head size and table rows), so the parameter count grows about
+    ``scale**2`` in the same layout; head counts, attention / indexer head sizes, layers and experts stay."""
     from nemo_automodel.components.models.deepseek_v41.config import (
         DeepseekV41Config,
         DeepseekV41TextConfig,
@@ -85,14 +89,15 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
 
     engram_layer_ids = [i for i in (1, 3) if i < num_layers] if engram else []
     text = DeepseekV41TextConfig(
-        vocab_size=vocab_size, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=num_layers,
-        num_attention_heads=2, head_dim=16, qk_rope_head_dim=8, q_lora_rank=48, o_lora_rank=40, o_groups=1,
-        n_routed_experts=4, num_experts_per_tok=2, compress_ratios=[0, 0, 2, 2, 1, 1][:num_layers],
+        vocab_size=vocab_size, hidden_size=32 * scale, moe_intermediate_size=32 * scale, num_hidden_layers=num_layers,
+        num_attention_heads=2, head_dim=16, qk_rope_head_dim=8, q_lora_rank=48 * scale, o_lora_rank=40 * scale,
+        o_groups=1, n_routed_experts=4, num_experts_per_tok=2, compress_ratios=[0, 0, 2, 2, 1, 1][:num_layers],
         kv_source_layer_ids=[i for i in (2, 4) if i < num_layers],
         index_source_layer_ids=[i for i in (2, 4, 5) if i < num_layers], index_n_heads=2, index_head_dim=16,
         index_topk=2, candidate_source_layer_id=4 if num_layers > 4 else -1, candidate_topk_blocks=2,
-        candidate_block_size=2, engram_layer_ids=engram_layer_ids, engram_num_embeddings=[256] * len(engram_layer_ids),
-        engram_max_ngram_size=3, engram_vocab_size=11, engram_n_heads=2, engram_head_dim=32, engram_pad_token_id=2,
+        candidate_block_size=2, engram_layer_ids=engram_layer_ids,
+        engram_num_embeddings=[256 * scale] * len(engram_layer_ids), engram_max_ngram_size=3, engram_vocab_size=11,
+        engram_n_heads=2, engram_head_dim=32 * scale, engram_pad_token_id=2,
         engram_compressed_vocab_size=compressed_vocab_size, num_nextn_predict_layers=1, dspark_block_size=0,
         dspark_noise_token_id=0, dtype="bfloat16")
     return DeepseekV41Config(vision_config=DeepseekV41VisionConfig(num_hidden_layers=0), text_config=text,
@@ -100,11 +105,13 @@ def tiny_v41_config(*, engram: bool, num_layers: int, compressed_vocab_size: int
 
 
 def write_tiny_v41_release(out_dir: Path | str, *, seed: int, quantized: bool = True, engram: bool = True,
-                           num_layers: int = 6, tokenizer=None) -> Path:
+                           num_layers: int = 6, tokenizer=None, scale: int = 1) -> Path:
     """Write the tiny release (module docstring) into ``out_dir``; returns ``out_dir``. ``num_layers`` in [1, 6]
     cuts the 6-layer schedule (compression, KV / index sources, Engram at 1 and 3) to its first layers.
     ``tokenizer``: saved instead of the word-level one (the vocabulary padded to a multiple of 64), e.g. the
-    demo's ChatML tokenizer so that the release can capture chat data."""
+    demo's ChatML tokenizer so that the release can capture chat data. ``scale``: every width times ``scale``
+    (:func:`tiny_v41_config`), e.g. for a model whose parameter bytes outweigh a process's fixed build cost
+    (benchmarks/nemo_layout_memory.py)."""
     assert 1 <= num_layers <= 6, num_layers
     from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -118,7 +125,7 @@ def write_tiny_v41_release(out_dir: Path | str, *, seed: int, quantized: bool = 
     tokenizer = AutoTokenizer.from_pretrained(out)
     config = tiny_v41_config(engram=engram, num_layers=num_layers,
                              compressed_vocab_size=_compressed_token_map(tokenizer)[1],
-                             vocab_size=max(NUM_WORDS, 64 * -(-len(tokenizer) // 64)))
+                             vocab_size=max(NUM_WORDS, 64 * -(-len(tokenizer) // 64)), scale=scale)
     torch.manual_seed(seed)  # initialize_weights draws from the global generator
     model = DeepseekV41ForCausalLM(config, backend=cpu_backend(), tokenizer=tokenizer)
     model.initialize_weights(torch.device("cpu"), dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ def main() -> None:
 
     os.chdir(REPO)
     table = ["| target | layout | experts | attention | MLP | embed+head | other | params | activations (largest term) "
-             "| capture | reserve | FSDP2 gathered | peak per rank | verdict (largest consumer) |", "|" + "---|" * 14]
+             "| capture | reserve | gathered (FSDP2 / ZeRO-3) | peak per rank | verdict (largest consumer) |", "|" + "---|" * 14]
     for recipe in sorted((REPO / "configs").glob("*.yaml")):
         text = recipe.read_text()
         if BLOCK_START not in text.split("\n"):

@@ -33,6 +33,7 @@ def build_model(
     checkpoint's quantized format, dequantized per expert in the forward: :mod:`.resident_experts`).
     """
     from ds_capture.parallel.resident_experts import check_expert_storage
+    from ds_capture.parallel.zero3_engine import uses_zero3
 
     check_expert_storage(expert_storage, engine, plan.world_size, ep_size=plan.ep_size)
     if plan.world_size == 1:
@@ -40,6 +41,12 @@ def build_model(
 
         return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
                                   expert_storage=expert_storage)
+    if uses_zero3(engine, ds_config, "deepspeed_config", target.family, world_size=plan.world_size,
+                  tp_size=plan.tp_size, ep_size=plan.ep_size):
+        from ds_capture.parallel.zero3_engine import build_zero3_model
+
+        return build_zero3_model(target, plan, dtype=dtype, attn_implementation=attn_implementation,
+                                 expert_storage=expert_storage)
     if engine == "deepspeed":
         from ds_capture.parallel.deepspeed_engine import build_deepspeed_model
 

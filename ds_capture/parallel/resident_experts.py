@@ -156,16 +156,18 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
     return swapped
 
 
-def refuse_resident_experts(family, storage: str, *, fsdp2_ep: bool = False) -> None:
+def refuse_resident_experts(family, storage: str, *, partitioned_ep: bool = False) -> None:
     """``checkpoint`` storage needs the transformers experts this module wraps; NeMo's ``GroupedExperts`` take
-    dequantized stacked tensors (``fsdp2_ep``: ``ds-capture plan`` sizes them packed in FSDP2's expert-parallel
-    layout, ``engine: fsdp2`` with ``distributed.ep_size`` = the world)."""
-    if storage == "checkpoint" and family.is_nemo and not fsdp2_ep:
+    dequantized stacked tensors, except in the layouts that partition everything but the experts
+    (``partitioned_ep``: ``engine: fsdp2``, or ``engine: deepspeed`` with ZeRO-3, and ``distributed.ep_size`` = the
+    world; :mod:`.packed_grouped_experts`)."""
+    if storage == "checkpoint" and family.is_nemo and not partitioned_ep:
         raise CaptureError(
             f"capture.expert_storage: checkpoint keeps the routed experts in the checkpoint's format inside "
             f"transformers' fused experts; model_type {family.model_type!r} is built by NeMo AutoModel's class, whose "
-            "GroupedExperts hold dequantized stacked tensors. Use capture.expert_storage: dequantized (and "
-            "distributed.ep_size to spread the experts over more ranks)."
+            "GroupedExperts hold dequantized stacked tensors, except in the layouts that partition everything but "
+            "the experts: engine: fsdp2, or engine: deepspeed with deepspeed_config zero_optimization.stage 3, with "
+            "distributed.ep_size = the world size. Use one of those, or capture.expert_storage: dequantized."
         )
 
 

@@ -91,7 +91,8 @@ class PlanReport:
             "config": self.source, "model_type": self.target.model_type, "total_params": self.total_params,
             "layout": {"engine": self.layout.engine, "world_size": self.layout.world_size,
                        "dp_size": self.layout.dp_size, "tp_size": self.layout.tp_size,
-                       "ep_size": self.layout.ep_size, "micro_batch_size": self.layout.micro_batch_size,
+                       "ep_size": self.layout.ep_size, "zero_stage": self.layout.zero_stage,
+                       "micro_batch_size": self.layout.micro_batch_size,
                        "seq_length": self.seq_length},
             "compute_dtype": self.compute_dtype, "cache_dtype": self.cache_dtype, "layer_ids": self.layer_ids,
             "expert_storage": {"format": self.expert_storage.format, "detail": self.expert_storage.detail},
@@ -124,6 +125,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
     """
     from ds_capture.parallel.deepspeed_engine import _tp_grain_size
+    from ds_capture.parallel.zero3_engine import uses_zero3, zero_stage
 
     args = cfg.recipe_args
     target = _read_target(args.target_path, args.trust_remote_code)
@@ -136,19 +138,22 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
     budget, budget_source = resolve_budget(cfg, gpu_memory_gib)
     dtype_name = compute_dtype or ("bf16" if cfg.capture.compute_dtype == "auto" else cfg.capture.compute_dtype)
-    storage = _configured_storage(cfg, target, fsdp2_ep=cfg.engine == "fsdp2" and ep_size > 1)
-    sizer = Sizer(cfg, target, layer_ids, dtype_name, _tp_grain_size(cfg.deepspeed_config))
-    layout = Layout(cfg.engine, world_size, tp_size, ep_size, args.micro_batch_size)
+    uses_zero3(cfg.engine, cfg.deepspeed_config, cfg.deepspeed_config_source, target.family, world_size=world_size,
+               tp_size=tp_size, ep_size=ep_size)  # refuses a stage or layout ZeRO-3 cannot run, as run does
+    layout = Layout(cfg.engine, world_size, tp_size, ep_size, args.micro_batch_size,
+                    zero_stage=zero_stage(cfg.deepspeed_config, cfg.deepspeed_config_source))
     _validate_layout(target, layout)
+    storage = _configured_storage(cfg, target, partitioned_ep=_partitioned_ep(layout))
+    sizer = Sizer(cfg, target, layer_ids, dtype_name, _tp_grain_size(cfg.deepspeed_config))
     ranks, largest, stack = sizer.ranks(layout, storage)
     report = PlanReport(
         source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
         seq_length=args.seq_length, layer_ids=layer_ids, budget_bytes=budget, budget_source=budget_source,
-        expert_storage=storage, total_params=sizer.table(layout.engine if world_size > 1 else "deepspeed", tp_size, ep_size, world_size).total_params, ranks=ranks, activation_largest=largest,
+        expert_storage=storage, total_params=sizer.table(layout.sharding, tp_size, ep_size, world_size).total_params,
+        ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
     )
-    nemo_resident = layout.engine == "fsdp2" and layout.ep_size > 1  # NeMo's experts resident only in this layout
-    checkpoint = (None if target.family.is_nemo and not nemo_resident
+    checkpoint = (None if target.family.is_nemo and not _partitioned_ep(layout)  # NeMo's experts resident only there
                   else mm.checkpoint_expert_storage(target_quantization(target)))
     if checkpoint is not None and checkpoint.bytes_per_param is not None:
         for option in (mm.COMPUTE_STORAGE, checkpoint):
@@ -212,12 +217,17 @@ def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
     return read_target_info(path, trust_remote_code=trust_remote_code)
 
 
-def _configured_storage(cfg: RunConfig, target: TargetInfo, *, fsdp2_ep: bool = False) -> mm.ExpertStorage:
+def _partitioned_ep(layout: Layout) -> bool:
+    """FSDP2's or ZeRO-3's expert-parallel layout: everything but the routed experts partitioned over every rank."""
+    return layout.ep_size > 1 and layout.sharding in ("fsdp2", "zero3")
+
+
+def _configured_storage(cfg: RunConfig, target: TargetInfo, *, partitioned_ep: bool = False) -> mm.ExpertStorage:
     # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
     if cfg.capture.expert_storage == "checkpoint":
         from ds_capture.parallel.resident_experts import refuse_resident_experts
 
-        refuse_resident_experts(target.family, "checkpoint", fsdp2_ep=fsdp2_ep)
+        refuse_resident_experts(target.family, "checkpoint", partitioned_ep=partitioned_ep)
         storage = mm.checkpoint_expert_storage(target_quantization(target))
         if storage is not None:
             return storage
@@ -236,9 +246,12 @@ def _validate_layout(target: TargetInfo, layout: Layout) -> None:
     if layout.ep_size > 1 and not family.supports_ep:
         raise CaptureError(f"ep_size {layout.ep_size}: {family.ep_refusal}")
     from ds_capture.parallel.fsdp2_engine import check_fsdp2_degrees
+    from ds_capture.parallel.zero3_engine import check_zero3_degrees
 
     check_fsdp2_degrees(family, layout.engine, world_size=layout.world_size, tp_size=layout.tp_size,
                         ep_size=layout.ep_size)
+    if layout.sharding == "zero3":
+        check_zero3_degrees(family, world_size=layout.world_size, tp_size=layout.tp_size, ep_size=layout.ep_size)
     build_layout(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
                num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                num_key_value_heads=target.tp_key_value_heads)

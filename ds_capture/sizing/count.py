@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,13 +34,25 @@ class Layout:
     tp_size: int
     ep_size: int
     micro_batch_size: int
+    zero_stage: int = 0
+    """``deepspeed_config``'s ``zero_optimization.stage`` (3: ZeRO-3's layout, :mod:`.parallel.zero3_engine`)."""
 
     @property
     def dp_size(self) -> int:
         return self.world_size // self.tp_size
 
+    @property
+    def sharding(self) -> str:
+        """How the non-expert parameters are split: ``deepspeed`` (AutoTP, or whole), ``fsdp2`` (FSDP2's dim-0
+        chunks) or ``zero3`` (DeepSpeed ZeRO-3's flat partitions); one process is the plain model (``deepspeed``)."""
+        if self.world_size == 1:
+            return "deepspeed"
+        return "zero3" if self.engine == "deepspeed" and self.zero_stage == 3 else self.engine
+
     def describe(self) -> str:
-        if self.engine == "fsdp2":
+        if self.sharding == "zero3":
+            shape = f"engine deepspeed ZeRO-3, world {self.world_size}, ep {self.ep_size}"
+        elif self.engine == "fsdp2":
             shape = f"engine fsdp2, world {self.world_size}" + (f", ep {self.ep_size}" if self.ep_size > 1 else "")
         else:
             shape = f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ep {self.ep_size}"
@@ -60,6 +72,7 @@ class TensorEntry:
     tp_dim: int | None = None
     tp_sizes: tuple[int, ...] = ()
     fsdp_sharded: bool = False
+    zero3_partitioned: bool = False
 
     def numel(self, tp_rank: int = 0) -> int:
         return math.prod(self.tp_sizes[tp_rank] if d == self.tp_dim else s for d, s in enumerate(self.shape))
@@ -80,8 +93,10 @@ class RankEstimate:
     writer_device_bytes: float
     writer_host_bytes: float
     fsdp2_gather_bytes: float
+    """The sharded engine's transient whole copies: FSDP2's all-gathered layers, or ZeRO-3's gathered modules."""
     reserve_bytes: float
     host_bytes: float
+    gather_name: str = "FSDP2 all-gathered layers"
 
     @property
     def param_bytes(self) -> float:
@@ -94,7 +109,7 @@ class RankEstimate:
 
     def consumers(self) -> dict[str, float]:
         return {**self.param_bytes_by_kind, "activations": self.activation_bytes,
-                "capture buffers": self.capture_bytes, "FSDP2 all-gathered layers": self.fsdp2_gather_bytes,
+                "capture buffers": self.capture_bytes, self.gather_name: self.fsdp2_gather_bytes,
                 "runtime reserve": self.reserve_bytes}
 
     def to_dict(self, budget: float) -> dict[str, Any]:
@@ -136,7 +151,7 @@ class Sizer:
         """The ranks the engine splits the family's row-parallel tables over (1: it has none, or plain FSDP2, which
         shards them as any parameter; FSDP2 with expert parallelism keeps them row-split like DeepSpeed): the only
         way the world size shapes a rank's tensors."""
-        row_split = engine == "deepspeed" or (engine == "fsdp2" and ep_size > 1)
+        row_split = engine in ("deepspeed", "zero3") or (engine == "fsdp2" and ep_size > 1)
         return world_size if row_split and self.target.family.row_parallel_tables else 1
 
     def _key(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> tuple:
@@ -168,10 +183,11 @@ class Sizer:
                                      world_size=tables_world)
         partitions = tensor_partitions(model) if tp_size > 1 else {}
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
-        # FSDP2 with expert parallelism (NeMo's GroupedExperts families, parallel/fsdp2_engine.py): the routed
-        # experts (E/ep per rank) and the row-split tables are left out of fully_shard; everything else is sharded.
+        # FSDP2 with expert parallelism and ZeRO-3 (NeMo's GroupedExperts families, parallel/fsdp2_engine.py and
+        # zero3_engine.py): the routed experts (E/ep per rank) and the row-split tables are left out of the
+        # sharding; every other parameter is sharded.
         unsharded = (expert_prefixes + tuple(f"{name}." for name, _ in row_parallel_tables(model, family))
-                     if engine == "fsdp2" and ep_size > 1 else ())
+                     if engine in ("fsdp2", "zero3") and ep_size > 1 else ())
         tensors = []
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):
             part = partitions.get(name)
@@ -184,7 +200,9 @@ class Sizer:
                 shape=tuple(tensor.shape), is_expert=name.startswith(expert_prefixes), layer=self._layer(name),
                 tp_dim=part.dim if part else None, tp_sizes=part.sizes if part else (),
                 fsdp_sharded=(engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0
-                              and not name.startswith(unsharded))))
+                              and not name.startswith(unsharded)),
+                zero3_partitioned=(engine == "zero3" and isinstance(tensor, torch.nn.Parameter)
+                                   and not name.startswith(unsharded))))
         # The unsharded model's size: every TP split summed back, every expert block times ep_size, every
         # row-parallel table whole.
         whole_rows = {f"{name}.weight": table.num_embeddings for name, table in row_parallel_tables(model, family)
@@ -245,8 +263,7 @@ class Sizer:
     # -- ranks ---------------------------------------------------------------------------------------------------
     def ranks(self, layout: Layout, storage: mm.ExpertStorage) -> tuple[list[RankEstimate], mm.Term, list[mm.Term]]:
         args = self.cfg.recipe_args
-        table = self.table(layout.engine if layout.world_size > 1 else "deepspeed",
-                           layout.tp_size, layout.ep_size, layout.world_size)
+        table = self.table(layout.sharding, layout.tp_size, layout.ep_size, layout.world_size)
         c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
         family, text = self.target.family, table.text_config
@@ -267,15 +284,18 @@ class Sizer:
                                            num_layer_ids=len(self.layer_ids), cache_bytes=cb)
         # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B).
         target_weights = 2 * self.target.vocab_size * H * 2
-        fsdp = layout.engine == "fsdp2" and layout.world_size > 1
-        gather = self._fsdp2_gather(table, storage) if fsdp else 0.0
+        fsdp, zero3 = layout.sharding == "fsdp2", layout.sharding == "zero3"
+        gather = (self._fsdp2_gather(table, storage) if fsdp
+                  else self._zero3_gather(table, storage, layout.world_size, self.target.family.lm_head) if zero3
+                  else 0.0)
         by_role: dict[Any, dict[str, float]] = {}
         estimates = []
         for rank in range(layout.world_size):
             tp_rank = rank % layout.tp_size
-            role = rank if fsdp else tp_rank
+            role = rank if fsdp else tp_rank  # ZeRO-3: tp 1, every rank holds the same partition sizes
             if role not in by_role:
                 by_role[role] = (self._fsdp2_params(table, storage, layout.world_size, rank) if fsdp
+                                 else self._zero3_params(table, storage, layout.world_size) if zero3
                                  else self._tp_params(table, storage, tp_rank))
             is_writer = tp_rank == 0
             device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
@@ -285,6 +305,7 @@ class Sizer:
                 is_writer=is_writer, param_bytes_by_kind=by_role[role], activation_bytes=activation,
                 capture_bytes=capture, writer_device_bytes=device.bytes, writer_host_bytes=host.bytes,
                 fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
+                gather_name="ZeRO-3 gathered modules" if zero3 else "FSDP2 all-gathered layers",
                 host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
 
@@ -324,6 +345,49 @@ class Sizer:
                                                           is_routed_expert=entry.is_expert, storage=storage)
         root = per_layer.pop(None, 0.0)
         return root + 2 * max(per_layer.values(), default=0.0)
+
+    @staticmethod
+    def _zero3_params(table: _Table, storage: mm.ExpertStorage, world_size: int) -> dict[str, float]:
+        """ZeRO-3: every partitioned parameter's ``ceil(numel / world)`` elements (DeepSpeed pads each to a multiple
+        of the world), the experts and tables as held, buffers whole."""
+        kinds = dict.fromkeys(KINDS, 0.0)
+        for entry in table.tensors:
+            kinds[entry.kind] += mm.stored_bytes(zero3_local_numel(entry, world_size), entry.itemsize,
+                                                 is_routed_expert=entry.is_expert, storage=storage)
+        return kinds
+
+    @staticmethod
+    def _zero3_gather(table: _Table, storage: mm.ExpertStorage, world_size: int, lm_head: str) -> float:
+        """ZeRO-3's whole copies, the larger of the forward's and the load's.
+
+        Forward: a module's own parameters are gathered at its forward and released after it, so what is whole at
+        once is one module's and its ancestors' own parameters (the deepest chain), a one-rank-group expert stack
+        (kept expert-parallel) gathered as a copy too when the experts are dequantized; packed experts are no
+        parameters (their per-expert scratch is an activation term). NeMo's causal LMs read ``lm_head.weight``
+        in the root's own forward (``compute_lm_head_logits``), which ZeRO-3 then registers as the root's external
+        parameter and gathers at the root's pre-forward: the lm_head is whole through every forward, so it counts
+        as the root's own. Load (:mod:`ds_capture.parallel.zero3_engine`): one module's own parameters whole before
+        partitioning, beside one block's partitions read as whole rows."""
+        own: dict[str, float] = defaultdict(float)
+        blocks: dict[int | None, float] = defaultdict(float)
+        for entry in table.tensors:
+            if entry.zero3_partitioned or (entry.is_expert and storage.bytes_per_param is None):
+                module = entry.name.rpartition(".")[0]
+                module = "" if module == lm_head else module
+                own[module] += mm.stored_bytes(entry.numel(), entry.itemsize, is_routed_expert=entry.is_expert,
+                                               storage=storage)
+            if entry.zero3_partitioned:  # the rows covering a partition: at most two rows past it
+                row = entry.numel() // entry.shape[0] if entry.shape else 1
+                blocks[entry.layer] += (min(entry.numel(), -(-entry.numel() // world_size) + 2 * row)
+                                        * entry.itemsize)
+
+        def chain(module: str) -> float:
+            parts = module.split(".") if module else []
+            return own.get("", 0.0) + sum(own.get(".".join(parts[:i]), 0.0) for i in range(1, len(parts) + 1))
+
+        forward = max((chain(m) for m in own), default=0.0)
+        load = max(own.values(), default=0.0) + max(blocks.values(), default=0.0)
+        return max(forward, load)
 
     # -- other layouts -------------------------------------------------------------------------------------------
     def fitting_layouts(self, layout: Layout, storage: mm.ExpertStorage, budget: float,
@@ -366,9 +430,11 @@ class Sizer:
         """A smaller micro-batch here; then, keeping the recipe's tp before trying others, every larger ep on
         1x, 2x, 4x and 8x the world (at most 512 ranks)."""
         family, target = self.target.family, self.target
-        out = [Layout(layout.engine, layout.world_size, layout.tp_size, layout.ep_size, b)
-               for b in _halvings(layout.micro_batch_size)]
+        out = [replace(layout, micro_batch_size=b) for b in _halvings(layout.micro_batch_size)]
         worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
+        if layout.sharding == "zero3":  # the experts expert-parallel over every rank
+            return out + [Layout("deepspeed", w, 1, w, layout.micro_batch_size, zero_stage=3) for w in worlds[1:]
+                          if target.num_experts and target.num_experts % w == 0]
         if layout.engine == "fsdp2" and layout.ep_size > 1:  # the experts expert-parallel over every rank
             return out + [Layout("fsdp2", w, 1, w, layout.micro_batch_size) for w in worlds[1:]
                           if target.num_experts and target.num_experts % w == 0]
@@ -391,6 +457,11 @@ def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
     if not entry.fsdp_sharded:
         return entry.numel()
     return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
+
+
+def zero3_local_numel(entry: TensorEntry, world_size: int) -> int:
+    """Elements of ``entry`` on every rank under ZeRO-3: ``ceil(numel / world)`` if it is partitioned, else all."""
+    return -(-entry.numel() // world_size) if entry.zero3_partitioned else entry.numel()
 
 
 def _divisors(n: int) -> list[int]:

@@ -27,7 +27,8 @@ def format_report(report: Any) -> str:
         "",
         "  per rank, GiB (parameters counted from the sharded meta model; activations are an estimate):",
         "  " + f"{'ranks':>24} " + " ".join(f"{h:>10}" for h in [*(_SHORT[k] for k in KINDS), "params", "activ.", "capture",
-                                              "reserve", "fsdp2 ag", "peak", "host", "fits"]),
+                                              "reserve", "zero3 ag" if layout.sharding == "zero3" else "fsdp2 ag",
+                                              "peak", "host", "fits"]),
     ]
     for ranks, estimate in _groups(report.ranks):
         figures = [*(estimate.param_bytes_by_kind[k] for k in KINDS), estimate.param_bytes, estimate.activation_bytes,
@@ -117,7 +118,8 @@ def header_lines(report: Any) -> list[str]:
         f"#     per rank (GiB): params {worst.param_bytes / mm.GIB:.1f} ({kinds})",
         f"#       + activations ~{worst.activation_bytes / mm.GIB:.1f} (estimate; largest: {report.activation_largest.name})"
         f" + capture {worst.capture_bytes / mm.GIB:.1f} + reserve {worst.reserve_bytes / mm.GIB:.1f}"
-        + (f" + FSDP2 all-gathers {worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else ""),
+        + (f" + {'ZeRO-3 gathers' if report.layout.sharding == 'zero3' else 'FSDP2 all-gathers'} "
+           f"{worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else ""),
         f"#       = {worst.peak_bytes / mm.GIB:.1f} of {report.budget_bytes / mm.GIB:.1f}: "
         f"{'fits' if report.fits else 'does NOT fit'}; largest consumer: {name} {value / mm.GIB:.1f}",
         f"#     writer host memory {max(r.writer_host_bytes for r in report.ranks) / mm.GIB:.1f} GiB per writing rank; "

@@ -26,7 +26,7 @@ import importlib
 import json
 import types
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -154,7 +154,8 @@ def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) ->
 
 @torch.no_grad()
 def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Tensor],
-                      rows: dict[str, tuple[int, int]], *, dtype: torch.dtype) -> Any:
+                      rows: dict[str, tuple[int, int]], *, dtype: torch.dtype,
+                      names: Collection[str] | None = None) -> Any:
     """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor) of the model
     built from NeMo's ``config`` (the model's own ``config``: a reduced depth already applied).
 
@@ -163,14 +164,18 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     those rows are read where the release tensor is the native one, untransposed); ``dtype`` the model dtype (quantized
     tensors are rounded to it first, as NeMo's adapters store them); a release tensor whose expert or
     rows fall outside is never read. Every local tensor must be covered exactly; the keys the family does not
-    read (vision tower, multi-token prediction, layers past the model's depth) are never opened."""
+    read (vision tower, multi-token prediction, layers past the model's depth) are never opened.
+
+    ``names``: every native name of the model, when ``destinations`` holds only some of them (a loader filling one
+    block at a time): release tensors of the others are skipped here, not reported as unexpected."""
     from ds_capture.target import quant
     from ds_capture.target.tensor_io import LoadStats, _checkpoint_index, _few
     from ds_capture.target.nemo_release import read_release_tensor, transform
 
     family = target.family
     raw = json.loads((target.path / "config.json").read_text())
-    place_key: Callable = resolve(family.release_placement)(config, raw, destinations.keys())
+    names = set(destinations if names is None else names)
+    place_key: Callable = resolve(family.release_placement)(config, raw, names)
     files = _checkpoint_index(target.path)
     headers = quant.read_headers(files.values())
     index, _parts = quant.logical_keys(files, headers)
@@ -180,7 +185,8 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
         if placement is None:
             continue
         if placement.native not in destinations:
-            unexpected.append(f"{key} -> {placement.native}")
+            if placement.native not in names:
+                unexpected.append(f"{key} -> {placement.native}")
             continue
         start, count = rows.get(placement.native, (0, None))
         if placement.expert is not None and count is not None and not start <= placement.expert < start + count:

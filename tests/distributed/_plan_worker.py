@@ -2,11 +2,13 @@
 
 Run under a launcher, one process per rank:
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/_plan_worker.py CASES_JSON OUT_DIR
-In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2", "tp_size": t, "ep_size": e}`` (and
-     optionally ``"expert_storage"``).
+In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2"|"zero3", "tp_size": t, "ep_size": e}``
+     (and optionally ``"expert_storage"``; ``zero3``: ``engine: deepspeed`` with ``zero_optimization.stage`` 3).
 Out: ``OUT_DIR/rank{r}.json``: per case, every parameter and buffer of the loaded model on this rank as
-     ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard), and the stored bytes of
-     every packed GroupedExperts stack (``capture.expert_storage: checkpoint``).
+     ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard, a ZeRO-3 parameter its
+     partition), the elements ZeRO-3 parameters still hold whole after loading (``whole_numel``: 0 when every one
+     is partitioned and released), and the stored bytes of every packed GroupedExperts stack
+     (``capture.expert_storage: checkpoint``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def local_tensors(model: torch.nn.Module) -> dict[str, list[int]]:
 
     out = {}
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if isinstance(tensor, DTensor) else getattr(tensor, "ds_tensor", tensor)
         out[name] = [local.numel(), local.element_size()]
     return out
 
@@ -47,7 +49,12 @@ def main(cases_path: str, out_dir: str) -> None:
                               num_key_value_heads=target.num_key_value_heads)
             repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
             groups = new_groups(plan)
-            if case["engine"] == "fsdp2":
+            if case["engine"] == "zero3":
+                from ds_capture.parallel.zero3_engine import build_zero3_model
+
+                model = build_zero3_model(target, plan, dtype=torch.float32, attn_implementation=None,
+                                          expert_storage=case.get("expert_storage", "dequantized"))
+            elif case["engine"] == "fsdp2":
                 model = build_fsdp2_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
                                           expert_storage=case.get("expert_storage", "dequantized"))
             else:
@@ -56,8 +63,9 @@ def main(cases_path: str, out_dir: str) -> None:
             from ds_capture.parallel.packed_grouped_experts import packed_stacks
 
             packed = {name: stack.packed_bytes() for name, stack in packed_stacks(model).items()}
+            whole = sum(p.data.numel() for p in model.parameters() if hasattr(p, "ds_id"))
             results.append({**case, "rank": env.rank, "tp_rank": plan.tp_rank, "tensors": local_tensors(model),
-                            "packed_bytes": packed})
+                            "packed_bytes": packed, "whole_numel": whole})
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(results))
 
 

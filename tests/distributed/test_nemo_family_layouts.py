@@ -11,9 +11,10 @@ for byte, in fp32 and in bf16 (the same expert selection: a flipped top-k in bf1
 Layer ids: V4.1 captures at its feature module (ids ``0..L-1``, ``-1`` refused), K3 through NeMo's generic rule.
 Every outcome is recorded in ``benchmarks/results/support_matrix.json`` under ``DS_CAPTURE_FULL=1`` (the table in
 docs/support.md). CI keeps V4.1's fp32 EP cell, K3's bf16 EP cell, K3's fp32 cell of FSDP2's expert-parallel layout
-with its MXFP4 experts kept packed (``fsdp2-ep-packed``) and one TP refusal; the rest is ``slow`` (measured once:
-every cell 0.0 max relative diff, the EP caches byte-identical; FSDP2's expert-parallel layout on 2 and 4 ranks,
-dequantized and packed, fp32 and bf16: byte-identical too).
+with its MXFP4 experts kept packed (``fsdp2-ep-packed``), the same on DeepSpeed's ZeRO-3 (``zero3-ep-packed``: engine
+deepspeed, zero_optimization.stage 3) with ``ds-capture compare`` between the two, and one TP refusal; the rest is
+``slow`` (measured once: every cell 0.0 max relative diff, the EP caches byte-identical; FSDP2's and ZeRO-3's
+expert-parallel layouts on 2 and 4 ranks, dequantized and packed, fp32 and bf16: byte-identical too).
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ DTYPES = {"fp32": {"cache_dtype": "fp32", "compute_dtype": "fp32"},
 # tables row-split, every other parameter sharded): exact, so byte for byte too.
 # "fsdp2-ep-packed": the same with capture.expert_storage: checkpoint (the experts kept packed as released, rebuilt
 # one at a time in the forward): the dequantized path's bytes.
-_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep-packed", 2, 2, "fsdp2")]
-_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"),
+# "zero3-ep" / "zero3-ep-packed" (engine "zero3" here): engine deepspeed with zero_optimization.stage 3, the same
+# split with DeepSpeed's ZeRO-3 partitioning every other parameter.
+# K3's fsdp2-ep-packed and zero3-ep-packed cells are slow: CI's test_zero3_and_fsdp2_write_the_same_cache runs both
+# and holds them to one process's bytes and to each other's.
+_CI_CASES = [("deepseek_v41", "ep", 2, 2, "deepspeed")]
+_SLOW_CASES = [("kimi_k3", "ep", 2, 2, "deepspeed"), ("kimi_k3", "fsdp2-ep-packed", 2, 2, "fsdp2"),
+               ("kimi_k3", "zero3-ep-packed", 2, 2, "zero3"),
                *[(m, layout, 2, 2, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")
                  if (m, layout) != ("kimi_k3", "fsdp2-ep-packed")],
                *[(m, layout, 4, 4, "fsdp2") for m in sorted(LAYER_IDS) for layout in ("fsdp2-ep", "fsdp2-ep-packed")],
+               *[(m, layout, 2, 2, "zero3") for m in sorted(LAYER_IDS) for layout in ("zero3-ep", "zero3-ep-packed")
+                 if (m, layout) != ("kimi_k3", "zero3-ep-packed")],
+               *[(m, layout, 4, 4, "zero3") for m in sorted(LAYER_IDS) for layout in ("zero3-ep", "zero3-ep-packed")],
                *[(m, layout, 2, ep, engine) for m in sorted(LAYER_IDS)
                  for layout, ep, engine in (("dp", 1, "deepspeed"), ("fsdp2", 1, "fsdp2"))]]
 EQUAL_CASES = [*_CI_CASES, *[pytest.param(*case, marks=pytest.mark.slow) for case in _SLOW_CASES]]
@@ -57,8 +66,8 @@ REFUSED_CASES = [("kimi_k3", "tp"), pytest.param("deepseek_v41", "tp", marks=pyt
 # bf16 EP vs one process, bitwise: K3 in CI (12 s with its reference), V4.1 slow (17 s).
 BF16_CASES = [("kimi_k3", "deepspeed", "dequantized"),
               pytest.param("deepseek_v41", "deepspeed", "dequantized", marks=pytest.mark.slow),
-              *[pytest.param(m, "fsdp2", storage, marks=pytest.mark.slow) for m in sorted(LAYER_IDS)
-                for storage in ("dequantized", "checkpoint")]]
+              *[pytest.param(m, engine, storage, marks=pytest.mark.slow) for m in sorted(LAYER_IDS)
+                for engine in ("fsdp2", "zero3") for storage in ("dequantized", "checkpoint")]]
 
 
 def _case_id(case) -> str:
@@ -70,8 +79,9 @@ def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_s
             engine: str = "deepspeed", dtype: str = "fp32", split: str = "train[:8]",
             expert_storage: str = "dequantized") -> Path:
     recipe = out.parent / f"{out.name}.yaml"
+    zero3 = {"deepspeed_config": {"zero_optimization": {"stage": 3}}} if engine == "zero3" else {}
     recipe.write_text(yaml.safe_dump({
-        "engine": engine,
+        **zero3, "engine": "deepspeed" if engine == "zero3" else engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
         "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"], "expert_storage": expert_storage},
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
@@ -115,6 +125,25 @@ def single_caches(releases, tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def layout_caches(releases, tmp_path_factory):
+    """``layout_caches(model_type, layout, nproc, ep_size, engine) -> cache dir`` (fp32), each made once for the
+    module (the compare test reads the equality cells' caches)."""
+    root = tmp_path_factory.mktemp("nemo_layout_caches")
+    made: dict[tuple, Path] = {}
+
+    def make(model_type: str, layout: str, nproc: int, ep_size: int, engine: str) -> Path:
+        key = (model_type, layout, nproc, ep_size, engine)
+        if key not in made:
+            out = root / f"{model_type}-{layout}-{nproc}-{engine}"
+            _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32",
+                        expert_storage="checkpoint" if layout.endswith("-packed") else "dequantized")
+            made[key] = out
+        return made[key]
+
+    return make
+
+
 def _run_layout(release: Path, out: Path, model_type: str, nproc: int, ep_size: int, engine: str, dtype: str,
                 split: str = "train[:8]", expert_storage: str = "dequantized"):
     result = _run(nproc, _recipe(release, out, model_type, ep_size=ep_size, engine=engine, dtype=dtype, split=split,
@@ -124,25 +153,45 @@ def _run_layout(release: Path, out: Path, model_type: str, nproc: int, ep_size: 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is True
     producer = manifest["producer"]
-    assert (producer["engine"], producer["world_size"], producer["ep_size"]) == (engine, nproc, ep_size), producer
+    assert (producer["engine"], producer["world_size"], producer["ep_size"]) == (
+        "deepspeed" if engine == "zero3" else engine, nproc, ep_size), producer
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model_type, layout, nproc, ep_size, engine", EQUAL_CASES,
                          ids=[_case_id(c) for c in EQUAL_CASES])
-def test_layout_equals_single_process(releases, single_caches, tmp_path, model_type, layout, nproc, ep_size, engine):
+def test_layout_equals_single_process(releases, single_caches, layout_caches, model_type, layout, nproc, ep_size,
+                                     engine):
     reference = single_caches(model_type)
     record(model_type, "single", {"status": "equal", "max_rel_diff": 0.0, "note": "reference"})
-    out = tmp_path / "cache"
-    _run_layout(releases[model_type], out, model_type, nproc, ep_size, engine, "fp32",
-                expert_storage="checkpoint" if layout.endswith("-packed") else "dequantized")
+    out = layout_caches(model_type, layout, nproc, ep_size, engine)
     diff = max_rel_diff(reference, out)
     record(model_type, layout, {"status": "equal" if diff <= 1e-5 else "differs", "max_rel_diff": diff,
                                 "nproc": nproc, "tp_size": 1, "ep_size": ep_size})
     assert diff <= 1e-5, (model_type, layout, diff)
-    if layout in ("ep", "fsdp2-ep", "fsdp2-ep-packed"):  # GroupedExperts' split is exact: the very bytes of one process
+    if layout != "dp":  # GroupedExperts' split is exact: the very bytes of one process
         assert safetensors_digests(out) == safetensors_digests(reference), (model_type, layout, diff)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_zero3_and_fsdp2_write_the_same_cache(single_caches, layout_caches, capsys):
+    """DeepSpeed ZeRO-3's and FSDP2's expert-parallel layouts (K3, MXFP4 experts kept packed, 2 ranks, fp32) write one
+    process's cache byte for byte, and ``ds-capture compare`` (the command a user runs) finds them equal to the
+    last bit."""
+    from ds_capture.cli import main
+
+    fsdp2 = layout_caches("kimi_k3", "fsdp2-ep-packed", 2, 2, "fsdp2")
+    zero3 = layout_caches("kimi_k3", "zero3-ep-packed", 2, 2, "zero3")
+    code = main(["compare", str(zero3), str(fsdp2), "--atol", "0", "--rtol", "0", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["equal"] is True and report["compared_tensors"], report
+    assert {key: (diff["max_abs"], diff["num_mismatched"]) for key, diff in report["keys"].items()} == {
+        key: (0.0, 0) for key in report["keys"]}, report["keys"]
+    producers = report["bookkeeping"]["producer"]
+    assert [p["engine"] for p in producers] == ["deepspeed", "fsdp2"], producers
+    assert safetensors_digests(zero3) == safetensors_digests(fsdp2) == safetensors_digests(single_caches("kimi_k3"))
 
 
 @pytest.mark.distributed

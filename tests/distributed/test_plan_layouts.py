@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ds_capture.recipe.config import parse_config
-from ds_capture.sizing.count import Sizer, fsdp2_local_numel
+from ds_capture.sizing.count import Sizer, fsdp2_local_numel, zero3_local_numel
 from ds_capture.target.families import read_target_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,10 +64,12 @@ def test_plan_counts_the_engines_tensors_on_every_rank(tiny_target, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_plan_counts_fsdp2_expert_parallel_layout_of_nemo_families(tmp_path):
-    """FSDP2's expert-parallel layout (engine fsdp2, ep_size = world) on the tiny releases: plan's table names every
-    local tensor with its local size (experts E/2, Engram rows 1/2, the rest dim-0 chunks), and with the experts
-    kept packed (K3) plan's routed-expert bytes are the stacks' stored bytes."""
+def test_plan_counts_partitioned_expert_parallel_layouts_of_nemo_families(tmp_path):
+    """FSDP2's and ZeRO-3's expert-parallel layouts (engine fsdp2, or engine deepspeed with zero_optimization.stage 3;
+    ep_size = world) on the tiny releases: plan's table names every local tensor with its local size (experts E/2,
+    Engram rows 1/2, the rest FSDP2's dim-0 chunks or ZeRO-3's ceil(numel / 2) partitions, no ZeRO-3 parameter left
+    whole after loading), and with the experts kept packed (K3) plan's routed-expert bytes are the stacks' stored
+    bytes."""
     pytest.importorskip("nemo_automodel")
     from ds_capture.demo import demo_tokenizer
     from ds_capture.sizing import memory_model as mm
@@ -76,8 +78,9 @@ def test_plan_counts_fsdp2_expert_parallel_layout_of_nemo_families(tmp_path):
 
     v41 = nemo_v41_release.write_tiny_v41_release(tmp_path / "v41", seed=0, tokenizer=demo_tokenizer())
     k3 = nemo_k3_release.write_tiny_k3_release(tmp_path / "k3", seed=0, tokenizer=demo_tokenizer())
-    cases = [{"target": str(v41), "engine": "fsdp2", "tp_size": 1, "ep_size": 2},
-             {"target": str(k3), "engine": "fsdp2", "tp_size": 1, "ep_size": 2, "expert_storage": "checkpoint"}]
+    cases = [{"target": str(v41), "engine": engine, "tp_size": 1, "ep_size": 2} for engine in ("fsdp2", "zero3")]
+    cases += [{"target": str(k3), "engine": engine, "tp_size": 1, "ep_size": 2, "expert_storage": "checkpoint"}
+              for engine in ("fsdp2", "zero3")]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     result = kh.run_script_forked(2, [WORKER, tmp_path / "cases.json", tmp_path], timeout_s=230)
     assert result.returncode == 0, result.stdout[-6000:]
@@ -85,9 +88,14 @@ def test_plan_counts_fsdp2_expert_parallel_layout_of_nemo_families(tmp_path):
     for results in per_rank:
         for case in results:
             target = read_target_info(Path(case["target"]))
-            table = _sizer(Path(case["target"])).table("fsdp2", 1, 2, 2)
-            planned = {e.name: [fsdp2_local_numel(e, 2, case["rank"]), e.itemsize] for e in table.tensors}
-            label = f"{target.model_type} rank={case['rank']}"
+            table = _sizer(Path(case["target"])).table(case["engine"], 1, 2, 2)
+            local = ((lambda e: zero3_local_numel(e, 2)) if case["engine"] == "zero3"
+                     else (lambda e: fsdp2_local_numel(e, 2, case["rank"])))
+            planned = {e.name: [local(e), e.itemsize] for e in table.tensors}
+            label = f"{target.model_type} {case['engine']} {case.get('expert_storage')} rank={case['rank']}"
+            assert case["whole_numel"] == 0, label
+            if case["engine"] == "zero3":  # really partitioned: the rest's parameters hold half (rounded up) each
+                assert any(e.zero3_partitioned for e in table.tensors), label
             if case["packed_bytes"]:
                 storage = mm.checkpoint_expert_storage(target_quantization(target))
                 experts = [e for e in table.tensors if e.is_expert]

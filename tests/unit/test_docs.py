@@ -126,7 +126,8 @@ def test_plan_table_has_one_row_per_recipe_plan_run():
             block = lines[lines.index(BLOCK_START):lines.index(BLOCK_END)]
             commands += [line for line in block if line.startswith(COMMAND_PREFIX)]
     text = (DOCS / "sizing.md").read_text()
-    rows = [line for line in text.split("\n") if re.match(r"\| \w+ \| (?:engine fsdp2, )?world \d+", line)]
+    rows = [line for line in text.split("\n")
+            if re.match(r"\| \w+ \| (?:engine fsdp2, |engine deepspeed ZeRO-3, )?world \d+", line)]
     assert commands and len(rows) == len(commands), (
         f"docs/sizing.md's plan table has {len(rows)} rows for {len(commands)} plan runs in configs/ "
         "(python tools/plan_headers.py --table prints them)")
