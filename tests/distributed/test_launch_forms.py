@@ -85,9 +85,10 @@ def test_mpirun_python_m_ds_capture_gives_byte_identical_cache(forms):
 
 
 @pytest.mark.timeout(300)
-# CI cut: two "nodes" through a hostfile and the one-node --module form; the plain hostfile form runs with --full.
+# CI cut: two "nodes" through a hostfile; the plain hostfile form and the one-node --module form (the --module form
+# also runs in CI in test_dist_launchers.py's TP-group probe) run with --full.
 @pytest.mark.parametrize("kind", [pytest.param("deepspeed_hostfile", marks=pytest.mark.slow), "deepspeed_two_nodes",
-                                  "deepspeed_module"])
+                                  pytest.param("deepspeed_module", marks=pytest.mark.slow)])
 def test_deepspeed_launchers_give_byte_identical_cache(forms, kind):
     """``deepspeed ... --module ds_capture run -c CFG`` exactly as users type it (--local_rank goes first)."""
     _check_same_bytes(_launch(kind, forms["root"], forms["target"]), forms["reference"])
