@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,8 @@ def normalize_row(row: Any, where: str, dropped: DroppedParts | None = None) -> 
 def _tools(tools: Any, where: str) -> list | None:
     """NeMo's `tools` rule: a JSON string is parsed; a list is kept; an empty list is no tools."""
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise CaptureError(
-                f"{where}: `tools` is a string but not valid JSON ({exc.msg} at column {exc.colno}). Store the "
-                "tool definitions as a list, or as the JSON text of one."
-            ) from None
+        tools = parse_json(tools, where, "Store the tool definitions as a list, or as the JSON text of one.",
+                           what="`tools` is a string but ")
     if tools is not None and not isinstance(tools, list):
         raise CaptureError(
             f"{where}: `tools` must be a list of tool definitions (or the JSON text of one), got "

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ds_capture.data.messages import Conversation, DroppedParts, normalize_row
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, parse_json
 
 _LOG = logging.getLogger(__name__)
 
@@ -236,17 +236,11 @@ def _decode(raw: bytes, source: Path, offset: int, number: int) -> str:
 
 
 def _parse_line(line: str, source: Path, number: int, *, broken: bool = False) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        hint = (" The line holds a raw Unicode line break (U+2028, U+2029, U+0085, form feed, ...), where NeMo "
-                "AutoModel splits JSONL lines as Python's str.splitlines does; write those characters escaped "
-                "(json.dumps with ensure_ascii=True writes \\u2028)." if broken else "")
-        at = "" if exc.msg.endswith(" at") else " at"  # "Unterminated string starting at" names its own place
-        raise CaptureError(
-            f"{source} line {number}: not valid JSON ({exc.msg}{at} column {exc.colno}). "
-            f"Each line of a JSONL file must be one JSON object; fix or delete this line.{hint}"
-        ) from None
+    hint = (" The line holds a raw Unicode line break (U+2028, U+2029, U+0085, form feed, ...), where NeMo "
+            "AutoModel splits JSONL lines as Python's str.splitlines does; write those characters escaped "
+            "(json.dumps with ensure_ascii=True writes \\u2028)." if broken else "")
+    return parse_json(line, f"{source} line {number}",
+                      f"Each line of a JSONL file must be one JSON object; fix or delete this line.{hint}")
 
 
 # ----------------------------------------------------------------------------- JSON list
@@ -263,13 +257,8 @@ def _json_rows(source: Path, path: str, split: str | None) -> ChatRows:
             f"{source}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start}, line {line}). "
             "Datasets must be UTF-8 text; re-encode the file (e.g. iconv -f <encoding> -t utf-8)."
         ) from None
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CaptureError(
-            f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}). "
-            "A .json dataset must be one JSON list of rows; fix the file or convert it to JSONL."
-        ) from None
+    rows = parse_json(text, str(source), "A .json dataset must be one JSON list of rows; fix the file or convert "
+                      "it to JSONL.")
     if not isinstance(rows, list):
         raise CaptureError(
             f"{source}: a .json dataset must be a JSON list of rows, got a JSON {type(rows).__name__}. "

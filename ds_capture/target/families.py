@@ -9,14 +9,13 @@ branches on ``model_type``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, parse_json
 from ds_capture.target import attention_sizes
 
 
@@ -517,10 +516,8 @@ def read_target_info(target_dir: Path, *, trust_remote_code: bool = False) -> Ta
             f"recipe_args.target_model_name_or_path: {target_dir} has no config.json. Point it at a local "
             "Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer files)."
         )
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise CaptureError(f"{config_path}: not valid JSON ({error}).") from error
+    raw = parse_json(config_path.read_text(), str(config_path), "Fix the file, or point "
+                     "recipe_args.target_model_name_or_path at an intact Hugging Face checkpoint directory.")
     model_type = resolve_model_type(raw)
     family = get_family(model_type, source=str(config_path))
     from ds_capture.target.quant import read_quant_config

@@ -134,7 +134,9 @@ def test_from_json_wrong_type_names_field_value_and_type(field_name, value, show
 
 
 def test_from_json_refuses_bad_json_other_version_and_unknown_dtype():
-    with pytest.raises(CaptureError, match=r"^/c/manifest.json is not valid JSON \(Expecting property name"):
+    with pytest.raises(CaptureError, match=r"^/c/manifest.json: not valid JSON \(Expecting property name enclosed in "
+                       r"double quotes at column 2\)\. A cache manifest is a JSON object: delete the cache "
+                       r"directory and re-run, or point at the right directory\.$"):
         Manifest.from_json("{not json", "/c/manifest.json")
     with pytest.raises(CaptureError, match=r"^/c/manifest.json holds a JSON list, not an object"):
         Manifest.from_json("[]", "/c/manifest.json")

@@ -302,6 +302,17 @@ def test_json_that_is_not_a_list(tmp_path):
     )
 
 
+def test_malformed_json_document_names_line_and_column(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n  {"messages": []},\n  {"messages": [}\n]\n', encoding="utf-8")
+    with pytest.raises(CaptureError) as err:
+        read_conversations(str(path), split=None, shuffle_seed=42)
+    assert str(err.value) == (
+        f"{path}: not valid JSON (Expecting value at line 3 column 17). A .json dataset must be one JSON list of "
+        "rows; fix the file or convert it to JSONL."
+    )
+
+
 HINT = (
     "Use a .jsonl/.ndjson file (one row per line), a .json file (a list of rows), a .parquet file, or a "
     "directory written by datasets' save_to_disk / holding parquet files."

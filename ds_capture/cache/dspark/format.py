@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ds_capture.cache.common.names import DTYPES, num_shards
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, parse_json
 
 FORMAT_VERSION = 1
 TARGET_WEIGHTS_NAME = "target_weights.safetensors"
@@ -102,13 +102,8 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, source: str) -> Manifest:
         """Parse a manifest; ``source`` (the file path) is named in every error."""
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise CaptureError(
-                f"{source} is not valid JSON ({err}); a cache manifest is a JSON object. "
-                "Delete the cache directory and re-run, or point at the right directory."
-            ) from None
+        obj = parse_json(text, source, "A cache manifest is a JSON object: delete the cache directory and re-run, "
+                         "or point at the right directory.")
         if not isinstance(obj, dict):
             raise CaptureError(
                 f"{source} holds a JSON {_json_type(obj)}, not an object; it is not a cache manifest."

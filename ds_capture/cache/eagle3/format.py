@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ds_capture.cache.common.names import DTYPES, num_shards
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, parse_json
 
 EAGLE3_FORMAT_VERSION = 2
 EMBEDDINGS_NAME = "target_embeddings.safetensors"
@@ -87,11 +87,8 @@ class Eagle3Manifest:
     @classmethod
     def from_json(cls, text: str, source: str) -> "Eagle3Manifest":
         """Parse a manifest; ``source`` (the path) is named in every error. NeMo's defaults apply to the mask flags."""
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise CaptureError(f"{source} is not valid JSON ({err}); an EAGLE-3 cache manifest is a JSON object. "
-                               "Delete the cache directory and re-run, or point at the right directory.") from None
+        obj = parse_json(text, source, "An EAGLE-3 cache manifest is a JSON object: delete the cache directory and "
+                         "re-run, or point at the right directory.")
         if not isinstance(obj, dict):
             raise CaptureError(f"{source} holds JSON that is not an object; it is not a cache manifest.")
         if obj.get("format_version") != EAGLE3_FORMAT_VERSION:
