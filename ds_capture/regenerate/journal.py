@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_capture.durable import fsync_dir
+from ds_capture.durable import fsync_dir, write_atomic
 from ds_capture.errors import CaptureError
 
 JOURNAL_FORMAT = 1
@@ -225,13 +225,14 @@ class Journal:
             out.flush()
             os.fsync(out.fileno())
         if refused:
-            write_atomic(self.paths.refused, b"".join(dumps_line(entry) for entry in refused))
+            data = b"".join(dumps_line(entry) for entry in refused)
+            write_atomic(self.paths.refused, lambda tmp: tmp.write_bytes(data))
         else:
             self.paths.refused.unlink(missing_ok=True)
         # The completion record goes before OUT: an OUT under its name always has one that says what it is.
-        write_atomic(self.paths.record, (json.dumps(
-            {"ds_capture_regenerate": JOURNAL_FORMAT, "complete": True, "identity": identity,
-             "counts": asdict(self.counts)}, indent=2, sort_keys=True) + "\n").encode())
+        record = json.dumps({"ds_capture_regenerate": JOURNAL_FORMAT, "complete": True, "identity": identity,
+                             "counts": asdict(self.counts)}, indent=2, sort_keys=True) + "\n"
+        write_atomic(self.paths.record, lambda tmp: tmp.write_bytes(record.encode()))
         os.replace(self.paths.assembling, self.paths.out)
         fsync_dir(self.paths.out.parent)
         self.paths.partial.unlink()
@@ -260,16 +261,6 @@ def remove_leftover_journal(paths: OutputPaths) -> None:
             pass  # another run holds it; it will find OUT complete too
         finally:
             os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _differences(before: Any, now: dict[str, Any]) -> str:

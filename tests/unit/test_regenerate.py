@@ -292,3 +292,27 @@ def test_a_second_run_on_the_same_output_is_refused(dataset, tmp_path):
     with Journal(paths, {"x": 1}, 3, {}):
         with pytest.raises(CaptureError, match="is held by another ds-capture regenerate"):
             Journal(paths, {"x": 1}, 3, {})
+
+
+def test_a_failed_completion_record_leaves_no_tmp_behind(tmp_path, monkeypatch):
+    """A rename that fails (a full or read-only filesystem) leaves neither the record nor its ``.tmp``; the journal
+    stays, so a rerun finishes the output."""
+    import os
+
+    from ds_capture.regenerate.journal import Journal
+
+    paths = OutputPaths(tmp_path / "out.jsonl")
+    replace = os.replace
+
+    def failing_replace(src, dst):
+        if str(src).endswith(".regenerate.json.tmp"):
+            raise OSError(30, "Read-only file system", str(dst))
+        replace(src, dst)
+
+    with Journal(paths, {"x": 1}, 1, {}) as journal:
+        journal.record({"index": 0, "row": {"messages": []}, "turns": 1, "cut": 0, "kept_tool_turns": 0,
+                        "tokens": 2})
+        monkeypatch.setattr(os, "replace", failing_replace)
+        with pytest.raises(OSError, match="Read-only file system"):
+            journal.finish({"x": 1})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl.partial", "out.jsonl.tmp"]

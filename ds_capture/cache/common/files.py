@@ -30,10 +30,8 @@ from ds_capture.cache.common.names import (
     shard_name,
 )
 from ds_capture.cache.common.shard_file import ROWS_DIGEST, SafetensorsLayout, ShardFile, file_digest
-from ds_capture.durable import fsync_dir
+from ds_capture import durable
 from ds_capture.capture.liveness import refuse_if_frozen
-
-TMP_SUFFIX = ".tmp"
 
 
 def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -53,19 +51,11 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on ``<name>.tmp``, fsync it, rename it over ``path``; never a partial ``path``."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    refuse_if_frozen()  # nor starts a file (a writer thread frozen mid-shard resumes here on SIGCONT)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        refuse_if_frozen()  # a rank woken after its peers gave up renames nothing into place
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Call ``write(tmp)`` on ``<name>.tmp``, fsync it, rename it over ``path``; never a partial ``path``.
+
+    A rank woken after its peers gave up (a writer thread frozen mid-shard resumes on SIGCONT) neither starts a
+    file nor renames one into place (:func:`~ds_capture.capture.liveness.refuse_if_frozen`)."""
+    durable.write_atomic(path, write, check=refuse_if_frozen)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:

@@ -25,7 +25,8 @@ from typing import Mapping
 
 import torch
 
-from ds_capture.cache.common.files import TMP_SUFFIX, ManifestShards, save_file, write_atomic
+from ds_capture.cache.common.files import ManifestShards, save_file, write_atomic
+from ds_capture.durable import TMP_SUFFIX
 from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,

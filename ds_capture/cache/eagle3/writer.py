@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.cache.common.files import TMP_SUFFIX, ManifestShards, save_file, write_atomic
+from ds_capture.cache.common.files import ManifestShards, save_file, write_atomic
+from ds_capture.durable import TMP_SUFFIX
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME
 from ds_capture.cache.common.rerun_check import shard_is_done
 from ds_capture.cache.eagle3.format import (
