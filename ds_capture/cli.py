@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a YAML value (repeatable)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; NeMo's client sends no credentials)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port on rank 0 (default 8000; 0: a free one)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port of replica 0; replica d listens on PORT + d (default 8000; 0: free ones, logged)")
     serve.add_argument("--exit-on-disconnect", action="store_true",
                        help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
     serve.add_argument("--max-batch-rows", type=int, default=64,

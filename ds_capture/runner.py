@@ -41,8 +41,7 @@ from ds_capture.parallel.dist import agree_on_error, all_reduce_max_int, discove
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout, new_groups
 from ds_capture.recipe.config import RunConfig
-from ds_capture.session import (  # noqa: F401 - _check_family_layout, select_cache_kind: earlier import paths
-    _check_family_layout,
+from ds_capture.session import (
     build_target_model,
     distributed_target,
     plan_session,

@@ -34,7 +34,7 @@ from ds_capture.capture.safety import FailFast
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.dist import DistEnv, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
-from ds_capture.parallel.layout import ParallelLayout, build_layout, resolve_degrees
+from ds_capture.parallel.layout import ParallelLayout, build_layout, check_family_layout, resolve_degrees
 from ds_capture.parallel.resident_experts import refuse_resident_experts
 from ds_capture.parallel.zero3_engine import uses_zero3
 from ds_capture.recipe.config import RunConfig
@@ -64,7 +64,7 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
     layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
     tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
                                        yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
-    _check_family_layout(target, tp_size, ep_size)  # the family's reason beats a head-count mismatch
+    check_family_layout(target.family, tp_size, ep_size)  # the family's reason beats a head-count mismatch
     zero3 = uses_zero3(cfg.engine, cfg.deepspeed_config, cfg.deepspeed_config_source, target.family,
                        world_size=env.world_size, tp_size=tp_size, ep_size=ep_size)
     refuse_resident_experts(target.family, cfg.capture.expert_storage,
@@ -101,14 +101,6 @@ def resolve_compute_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return DTYPES[name]
-
-
-def _check_family_layout(target: TargetInfo, tp_size: int, ep_size: int) -> None:
-    family = target.family
-    if tp_size > 1 and not family.supports_tp:
-        raise CaptureError(f"tp_size {tp_size}: {family.tp_refusal}")
-    if ep_size > 1 and not family.supports_ep:
-        raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
 
 
 def build_target_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, groups, *,

@@ -5,7 +5,7 @@ In: nothing (a ``Protocol``). Out: the methods a kind implements, in the order t
 before any collective), ``publish`` (every rank, after the data agreed), ``start`` (the model is
 built), ``open_writer`` / ``micro_batch`` (the loop), ``finish`` (rank 0, after every rank wrote).
 Implementations: ``dspark.DSparkKind`` (NeMo's DSpark cache v1) and ``eagle3.Eagle3Kind`` (its EAGLE-3
-cache v2); ``runner.select_cache_kind`` picks one from ``cache_kind``.
+cache v2); ``session.select_cache_kind`` picks one from ``cache_kind``.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: to
                                       tp_rank=plan.tp_rank)
     elif plan.tp_size > 1:
         model = apply_autotp(model, tp_group=groups.tp_group, dp_group=groups.dp_group, dtype=dtype,
-                             tp_grain_size=_tp_grain_size(ds_config))
+                             tp_grain_size=tp_grain_size(ds_config))
     if expert_storage == "checkpoint":
         from ds_capture.parallel.resident_experts import keep_experts_quantized
 
@@ -171,7 +171,8 @@ def _fp32_row_parallel_forward(self, input: torch.Tensor) -> torch.Tensor:
     return output.to(input.dtype)
 
 
-def _tp_grain_size(ds_config: Mapping[str, Any] | None) -> int:
+def tp_grain_size(ds_config: Mapping[str, Any] | None) -> int:
+    """``tensor_parallel.tp_grain_size`` of the DeepSpeed config (AutoTP's split grain): the engine and ``plan``."""
     section = (ds_config or {}).get("tensor_parallel") or {}
     value = section.get("tp_grain_size", DEFAULT_TP_GRAIN_SIZE)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

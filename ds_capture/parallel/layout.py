@@ -4,7 +4,8 @@ In:  world size and rank (from :class:`ds_capture.parallel.dist.DistEnv`), the T
      truth: the YAML ``distributed`` section or the DeepSpeed JSON, see :func:`resolve_degrees`) and
      the target's head / expert counts.
 Out: a frozen :class:`ParallelLayout` that answers "my DP rank, my shards / samples, do I write, who is
-     in my TP / DP / EP group", and (with a process group) :func:`new_groups` -> the group handles.
+     in my TP / DP / EP group", and (with a process group) :func:`new_groups` -> the group handles;
+     :func:`check_family_layout`: the family's refusals of TP / EP (every driver and ``plan`` call it).
 
 Rank layout (documented contract, DESIGN §5):
   TP groups  consecutive global ranks ``[dp_rank*tp, dp_rank*tp + tp)``; they see the same micro-batch.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_capture.errors import CaptureError
+from ds_capture.target.families import Family
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,15 @@ def build_layout(*, world_size: int, rank: int, tp_size: int, ep_size: int, num_
 # AutoEP reads expert_parallel.autoep_size (module_inject/auto_ep_config.py); ep_size is accepted as an alias.
 _DS_TP_KEYS = (("tensor_parallel", "autotp_size"), ("tensor_parallel", "tp_size"))
 _DS_EP_KEYS = (("expert_parallel", "autoep_size"), ("expert_parallel", "ep_size"))
+
+
+def check_family_layout(family: Family, tp_size: int, ep_size: int) -> None:
+    """The family's own refusals of tensor and expert parallelism: ``run``, ``serve`` and ``plan`` check them first
+    (the family's reason beats a head-count mismatch of :func:`build_layout`)."""
+    if tp_size > 1 and not family.supports_tp:
+        raise CaptureError(f"tp_size {tp_size}: {family.tp_refusal}")
+    if ep_size > 1 and not family.supports_ep:
+        raise CaptureError(f"ep_size {ep_size}: {family.ep_refusal}")
 
 
 def resolve_degrees(yaml_tp: int | None, yaml_ep: int | None, ds_config: Mapping[str, Any] | None, *,

@@ -29,7 +29,7 @@ import torch
 
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import build_layout, resolve_degrees
+from ds_capture.parallel.layout import build_layout, check_family_layout, resolve_degrees
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.count import Layout, RankEstimate, Sizer, cache_estimate
@@ -124,7 +124,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     ``compute_dtype`` None follows ``capture.compute_dtype``, sizing a GPU run (``auto`` = bf16).
     ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
     """
-    from ds_capture.parallel.deepspeed_engine import _tp_grain_size
+    from ds_capture.parallel.deepspeed_engine import tp_grain_size
     from ds_capture.parallel.zero3_engine import uses_zero3, zero_stage
 
     args = cfg.recipe_args
@@ -144,7 +144,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
                     zero_stage=zero_stage(cfg.deepspeed_config, cfg.deepspeed_config_source))
     _validate_layout(target, layout)
     storage = _configured_storage(cfg, target, partitioned_ep=_partitioned_ep(layout))
-    sizer = Sizer(cfg, target, layer_ids, dtype_name, _tp_grain_size(cfg.deepspeed_config))
+    sizer = Sizer(cfg, target, layer_ids, dtype_name, tp_grain_size(cfg.deepspeed_config))
     ranks, largest, stack = sizer.ranks(layout, storage)
     report = PlanReport(
         source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
@@ -241,10 +241,7 @@ def _smallest_world(tp_size: int, ep_size: int) -> int:
 def _validate_layout(target: TargetInfo, layout: Layout) -> None:
     """The run's own refusals (degrees vs world and model, the family's supported layouts), before any sizing."""
     family = target.family
-    if layout.tp_size > 1 and not family.supports_tp:
-        raise CaptureError(f"tp_size {layout.tp_size}: {family.tp_refusal}")
-    if layout.ep_size > 1 and not family.supports_ep:
-        raise CaptureError(f"ep_size {layout.ep_size}: {family.ep_refusal}")
+    check_family_layout(family, layout.tp_size, layout.ep_size)
     from ds_capture.parallel.fsdp2_engine import check_fsdp2_degrees
     from ds_capture.parallel.zero3_engine import check_zero3_degrees
 

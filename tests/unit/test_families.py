@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import build_layout
+from ds_capture.parallel.layout import build_layout, check_family_layout
 from ds_capture.recipe.config import load_config
-from ds_capture.runner import _check_family_layout, run_capture
+from ds_capture.runner import run_capture
 from ds_capture.target.families import FAMILIES, get_family, read_target_info
 
 SINGLE_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v4", "glm_moe_dsa", "gemma4", "kimi_k25",
@@ -267,10 +267,10 @@ def test_layout_refusals_before_loading(family_target, model_type, tp_size, ep_s
     # The family check runs before the plan's head-count checks (DeepSeek-V4 has one KV head).
     target = read_target_info(family_target(model_type))
     if message is None:
-        _check_family_layout(target, tp_size, ep_size)
+        check_family_layout(target.family, tp_size, ep_size)
         return
     with pytest.raises(CaptureError) as caught:
-        _check_family_layout(target, tp_size, ep_size)
+        check_family_layout(target.family, tp_size, ep_size)
     assert str(caught.value) == message
 
 
