@@ -22,7 +22,6 @@ then sliced for ``base[a:b]``, or selected and then shuffled for any other expre
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from array import array

@@ -1,5 +1,6 @@
-"""What both kinds' verify, inspect and compare share: the verify report, a shard loaded and layout-checked,
-the checksum pass, and the per-tensor difference report of ``ds-capture compare``.
+"""What both kinds' verify, inspect and compare share: the verify report, the manifest's text, the shard set and
+the loop over it, a shard loaded and layout-checked, the kind's whole file, the checksum pass, and the per-tensor
+difference report of ``ds-capture compare``.
 
 In: a cache directory and its manifest. Out: reports (problems named by file and key, each with the command
 that repairs it, built from the ``ds-capture run`` command the cache's run recorded in
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,17 @@ from typing import Any
 import torch
 
 from ds_capture.cache.common.files import checksum_matches, file_checksum, read_recorded_checksum
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, RUN_COMMAND_NAME, checksum_name, shard_name
+from ds_capture.cache.common.names import (
+    BOOKKEEPING_DIR,
+    CHECKSUMS_DIR,
+    MANIFEST_NAME,
+    RUN_COMMAND_NAME,
+    SHARD_RE,
+    checksum_name,
+    shard_name,
+)
 from ds_capture.cache.common.shard_file import read_tensors
+from ds_capture.errors import CaptureError
 
 _MAX_LISTED = 10
 
@@ -111,6 +121,59 @@ class VerifyReport:
 def finish_report(report: VerifyReport) -> VerifyReport:
     report.ok = not report.problems
     return report
+
+
+def read_manifest_text(cache_dir: Path, missing: str) -> tuple[str, str]:
+    """``(text, path)`` of ``cache_dir/manifest.json``; a CaptureError naming the path where it does not exist
+    (``{path} does not exist: {missing}``) or cannot be read."""
+    path = Path(cache_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise CaptureError(f"{path} does not exist: {missing}")
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise CaptureError(f"{path} cannot be read ({err}); check its permissions or re-create the cache.") from None
+
+
+def shard_indices(cache_dir: Path) -> set[int]:
+    """The indices of the shard files in ``cache_dir``."""
+    return {int(m.group(1)) for e in Path(cache_dir).iterdir() if (m := SHARD_RE.match(e.name))}
+
+
+def verify_shards(cache_dir: Path, num_shards: int, report: VerifyReport, verify_shard: Callable[[int], None], *,
+                  checksums: bool, before: Callable[[list[int]], None] = lambda indices: None) -> None:
+    """The shard set against ``num_shards`` (missing ones a rerun writes, extra ones to delete), then each shard
+    present that the manifest expects: ``verify_shard(index)`` (the kind's value rules) and, with ``checksums``,
+    its recorded checksum. ``before(indices)`` runs once the shards to check are known (DSpark infers its pad id)."""
+    present, expected = shard_indices(cache_dir), set(range(num_shards))
+    if missing := sorted(expected - present):
+        report.add(f"missing shards: {list_names(missing)} (expected shard-000000 .. {shard_name(num_shards - 1)})",
+                   RERUN)
+    if extra := sorted(present - expected):
+        report.add(f"extra shards beyond num_shards {num_shards}: {list_names(extra)}", REMOVE,
+                   tuple(shard_name(i) for i in extra))
+    indices = sorted(expected & present)
+    before(indices)
+    for index in indices:
+        verify_shard(index)
+        if checksums:
+            verify_checksum(cache_dir, index, report)
+        report.num_shards_checked += 1
+
+
+def load_whole_file(cache_dir: Path, name: str, report: VerifyReport, repair: str,
+                    why: str = "") -> dict[str, torch.Tensor] | None:
+    """The tensors of the kind's one whole file (DSpark's target weights, EAGLE-3's embeddings); None, with the
+    problem reported, where it is missing (``why``: what needs it) or unreadable."""
+    path = Path(cache_dir) / name
+    if not path.is_file():
+        report.add(f"{name} is missing{why}", repair)
+        return None
+    try:
+        return load_tensors(path)
+    except (OSError, ValueError) as err:
+        report.add(f"{name}: unreadable safetensors file ({err})", repair)
+        return None
 
 
 def list_names(indices: list[int]) -> str:

@@ -24,27 +24,24 @@ from typing import Any
 
 import torch
 
-from ds_capture.cache.common.names import (
-    MANIFEST_NAME,
-    SHARD_RE,
-    shard_name,
-)
+from ds_capture.cache.common.names import MANIFEST_NAME, shard_name
 from ds_capture.cache.common.verify import (
     NEW_CACHE,
-    REMOVE,
     RERUN,
     RESTART,
     VerifyReport,
     finish_report,
     human_bytes,
     layout_mismatch,
-    list_names,
     load_checked_shard,
     load_tensors,
+    load_whole_file,
     padding_lengths,
+    read_manifest_text,
     recorded_run_command,
+    shard_indices,
     value_problem_repair,
-    verify_checksum,
+    verify_shards,
 )
 from ds_capture.cache.dspark.format import IDENTITY_FIELDS, TARGET_WEIGHTS_NAME, Manifest
 from ds_capture.errors import CaptureError
@@ -54,17 +51,9 @@ _MAX_LISTED = 10
 
 def read_manifest(cache_dir: Path) -> Manifest:
     """Parse ``cache_dir/manifest.json``; CaptureError naming the path if missing or unreadable."""
-    path = Path(cache_dir) / MANIFEST_NAME
-    if not path.is_file():
-        raise CaptureError(
-            f"{path} does not exist: {cache_dir} is not a ds_capture/NeMo DSpark cache, or the run that "
-            "writes it has not started. Check the path (cache_output_dir of the run)."
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise CaptureError(f"{path} cannot be read ({err}); check its permissions or re-create the cache.") from None
-    return Manifest.from_json(text, str(path))
+    text, path = read_manifest_text(cache_dir, f"{cache_dir} is not a ds_capture/NeMo DSpark cache, or the run "
+                                    "that writes it has not started. Check the path (cache_output_dir of the run).")
+    return Manifest.from_json(text, path)
 
 
 def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
@@ -89,28 +78,14 @@ def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyRe
     if consistency:
         return finish_report(report)
 
-    present = _shard_indices(cache_dir)
-    expected = set(range(manifest.num_shards))
-    if missing := sorted(expected - present):
-        last = shard_name(manifest.num_shards - 1)
-        report.add(f"missing shards: {list_names(missing)} (expected shard-000000 .. {last})", RERUN)
-    if extra := sorted(present - expected):
-        report.add(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}", REMOVE,
-                   tuple(shard_name(i) for i in extra))
+    def infer_pad_id(indices: list[int]) -> None:
+        report.pad_id = _infer_pad_id(cache_dir, indices)
 
-    to_check = sorted(expected & present)
-    report.pad_id = _infer_pad_id(cache_dir, to_check)
-    for index in to_check:
-        _verify_shard(cache_dir, index, manifest, report)
-        if checksums:
-            verify_checksum(cache_dir, index, report)
-        report.num_shards_checked += 1
+    verify_shards(cache_dir, manifest.num_shards, report,
+                  lambda index: _verify_shard(cache_dir, index, manifest, report), checksums=checksums,
+                  before=infer_pad_id)
     _verify_weights(cache_dir, manifest, report)
     return finish_report(report)
-
-
-def _shard_indices(cache_dir: Path) -> set[int]:
-    return {int(m.group(1)) for e in cache_dir.iterdir() if (m := SHARD_RE.match(e.name))}
 
 
 def _infer_pad_id(cache_dir: Path, indices: list[int]) -> int | None:
@@ -176,15 +151,9 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Manifest, report: Verif
 
 def _verify_weights(cache_dir: Path, manifest: Manifest, report: VerifyReport) -> None:
     """A rerun writes the weights file again unless the cache is complete; ``--restart`` always does."""
-    path = cache_dir / TARGET_WEIGHTS_NAME
     repair = RESTART if manifest.complete else RERUN
-    if not path.is_file():
-        report.add(f"{TARGET_WEIGHTS_NAME} is missing", repair)
-        return
-    try:
-        tensors = load_tensors(path)
-    except (OSError, ValueError) as err:
-        report.add(f"{TARGET_WEIGHTS_NAME}: unreadable safetensors file ({err})", repair)
+    tensors = load_whole_file(cache_dir, TARGET_WEIGHTS_NAME, report, repair)
+    if tensors is None:
         return
     expected = manifest.expected_weight_tensors()
     if set(tensors) != set(expected):
@@ -204,7 +173,7 @@ def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
     and loss_mask of each shard."""
     cache_dir = Path(cache_dir)
     manifest = read_manifest(cache_dir)
-    present = sorted(_shard_indices(cache_dir))
+    present = sorted(shard_indices(cache_dir))
     pad_id = _infer_pad_id(cache_dir, present)
     num_tokens = num_supervised = 0
     for index in present:

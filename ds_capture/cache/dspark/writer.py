@@ -26,20 +26,11 @@ from typing import Mapping
 import torch
 
 from ds_capture.cache.common.files import ManifestShards, save_file, write_atomic
-from ds_capture.durable import TMP_SUFFIX
-from ds_capture.cache.common.names import (
-    BOOKKEEPING_DIR,
-    CHECKSUMS_DIR,
-    DTYPES,
-    MANIFEST_NAME,
-    shard_name,
-)
-from ds_capture.cache.common.rerun_check import shard_is_done
+from ds_capture.cache.common.names import DTYPES, MANIFEST_NAME, shard_name
+from ds_capture.cache.common.output_dir import prepare_shards, refuse_foreign_entries, refuse_identity_mismatch
 from ds_capture.cache.common.shard_file import SafetensorsLayout, ShardFile
 from ds_capture.cache.dspark.format import TARGET_WEIGHTS_NAME, Manifest
-from ds_capture.errors import CaptureError
 
-_MAX_LISTED = 5
 
 
 def check_output_dir(out_dir: Path, manifest: Manifest) -> Manifest | None:
@@ -52,10 +43,10 @@ def check_output_dir(out_dir: Path, manifest: Manifest) -> Manifest | None:
     manifest_path = out_dir / MANIFEST_NAME
     if manifest_path.is_file():
         existing = Manifest.from_json(manifest_path.read_text(encoding="utf-8"), str(manifest_path))
-        _refuse_identity_mismatch(out_dir, existing, manifest)
+        refuse_identity_mismatch(out_dir, existing, manifest)
         return existing
     if out_dir.exists():
-        _refuse_foreign_entries(out_dir)
+        refuse_foreign_entries(out_dir, {TARGET_WEIGHTS_NAME})
     return None
 
 
@@ -67,59 +58,8 @@ def prepare_output_dir(out_dir: Path, manifest: Manifest, *, restart: bool = Fal
     """
     out_dir = Path(out_dir)
     existing = check_output_dir(out_dir, manifest)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(out_dir)
-    if existing is None or restart:
-        return set()
-    if existing.complete:
-        return set(range(manifest.num_shards))
-    return {i for i in range(manifest.num_shards) if shard_is_done(out_dir, i, manifest)}
-
-
-def _refuse_identity_mismatch(out_dir: Path, existing: Manifest, manifest: Manifest) -> None:
-    differing = existing.identity_diff(manifest)
-    if not differing:
-        return
-    details = "; ".join(
-        f"{name} is {_show(getattr(existing, name))} there, {_show(getattr(manifest, name))} in this run"
-        for name in differing
-    )
-    raise CaptureError(
-        f"{out_dir} holds a different cache: {details}. Use a new cache_output_dir or delete "
-        f"{out_dir} to recompute it (nothing in it was changed)."
-    )
-
-
-def _show(value: object) -> str:
-    if isinstance(value, tuple):
-        return str(list(value))
-    return repr(value) if isinstance(value, str) or value is None else str(value)
-
-
-def _refuse_foreign_entries(out_dir: Path) -> None:
-    """Only our own pre-manifest files may sit in a directory that has no manifest yet."""
-    if not out_dir.is_dir():
-        raise CaptureError(f"cache_output_dir {out_dir} exists and is not a directory; choose another path.")
-    own = {TARGET_WEIGHTS_NAME, BOOKKEEPING_DIR}
-    foreign = sorted(e.name for e in out_dir.iterdir() if e.name not in own and not e.name.endswith(TMP_SUFFIX))
-    if foreign:
-        listed = ", ".join(foreign[:_MAX_LISTED])
-        if len(foreign) > _MAX_LISTED:
-            listed += f" (and {len(foreign) - _MAX_LISTED} more)"
-        raise CaptureError(
-            f"cache_output_dir {out_dir} is not empty and holds no ds_capture/NeMo cache manifest "
-            f"({MANIFEST_NAME}): it contains {listed}. Use a new or empty cache_output_dir."
-        )
-
-
-def _remove_stale_tmp(out_dir: Path) -> None:
-    # A .tmp is never final data: it is what a killed run was writing when it died.
-    checksums = out_dir / BOOKKEEPING_DIR / CHECKSUMS_DIR
-    for directory in (out_dir, checksums):
-        if directory.is_dir():
-            for entry in directory.iterdir():
-                if entry.name.endswith(TMP_SUFFIX) and entry.is_file():
-                    entry.unlink()
+    return prepare_shards(out_dir, manifest, existing, restart=restart,
+                          is_complete=lambda: existing is not None and existing.complete)
 
 
 def write_target_weights(out_dir: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: str) -> None:

@@ -18,20 +18,27 @@ from typing import Any
 
 import torch
 
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, shard_name
 from ds_capture.cache.common.verify import (
     NEW_CACHE,
-    REMOVE,
     RERUN,
     RESTART,
     CompareReport,
     KeyDiff,
     ShardDiff,
+    VerifyReport,
     default_tolerance,
     diff_tensors,
+    finish_report,
+    human_bytes,
     load_checked_shard,
     load_tensors,
+    load_whole_file,
+    read_manifest_text,
+    recorded_run_command,
+    shard_indices,
     value_problem_repair,
+    verify_shards,
 )
 from ds_capture.cache.eagle3.format import (
     COMPLETE_NAME,
@@ -58,10 +65,8 @@ def is_eagle3_cache(cache_dir: Path) -> bool:
 
 
 def read_eagle3(cache_dir: Path) -> Eagle3Manifest:
-    path = Path(cache_dir) / MANIFEST_NAME
-    if not path.is_file():
-        raise CaptureError(f"{path} does not exist: {cache_dir} is not an EAGLE-3 cache.")
-    return Eagle3Manifest.from_json(path.read_text(encoding="utf-8"), str(path))
+    text, path = read_manifest_text(cache_dir, f"{cache_dir} is not an EAGLE-3 cache.")
+    return Eagle3Manifest.from_json(text, path)
 
 
 def completion(cache_dir: Path, manifest: Eagle3Manifest) -> tuple[bool, str]:
@@ -69,17 +74,11 @@ def completion(cache_dir: Path, manifest: Eagle3Manifest) -> tuple[bool, str]:
     cache_dir = Path(cache_dir)
     if (cache_dir / BOOKKEEPING_DIR).is_dir():
         return is_complete(cache_dir, manifest), f"{BOOKKEEPING_DIR}/{COMPLETE_NAME}"
-    present = _shard_indices(cache_dir)
+    present = shard_indices(cache_dir)
     return present >= set(range(manifest.num_shards)), "every shard present (NeMo's rule: no ds_capture records)"
 
 
-def _shard_indices(cache_dir: Path) -> set[int]:
-    return {int(m.group(1)) for e in Path(cache_dir).iterdir() if (m := SHARD_RE.match(e.name))}
-
-
-def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
-    from ds_capture.cache.common.verify import VerifyReport, list_names, recorded_run_command, verify_checksum
-
+def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     cache_dir = Path(cache_dir)
     report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
     try:
@@ -96,25 +95,10 @@ def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
     if not complete and (cache_dir / BOOKKEEPING_DIR).is_dir():
         report.add(f"{BOOKKEEPING_DIR}/{COMPLETE_NAME} is missing or names another manifest: the ds_capture run "
                    "writing this cache has not finished (or was killed); re-run it with the same config", RERUN)
-    present, expected = _shard_indices(cache_dir), set(range(manifest.num_shards))
-    if missing := sorted(expected - present):
-        report.add(f"missing shards: {list_names(missing)} (expected shard-000000 .. "
-                   f"{shard_name(manifest.num_shards - 1)})", RERUN)
-    if extra := sorted(present - expected):
-        report.add(f"extra shards beyond num_shards {manifest.num_shards}: {list_names(extra)}", REMOVE,
-                   tuple(shard_name(i) for i in extra))
-    for index in sorted(expected & present):
-        _verify_shard(cache_dir, index, manifest, report)
-        if checksums:
-            verify_checksum(cache_dir, index, report)
-        report.num_shards_checked += 1
+    verify_shards(cache_dir, manifest.num_shards, report,
+                  lambda index: _verify_shard(cache_dir, index, manifest, report), checksums=checksums)
     _verify_embeddings(cache_dir, manifest, report, complete=complete)
     return finish_report(report)
-
-
-def finish_report(report):
-    report.ok = not report.problems
-    return report
 
 
 def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report) -> None:
@@ -162,15 +146,10 @@ def _verify_shard(cache_dir: Path, index: int, manifest: Eagle3Manifest, report)
 
 def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, report, *, complete: bool) -> None:
     """A rerun writes the embeddings again unless the cache is complete; ``--restart`` always does."""
-    path = cache_dir / EMBEDDINGS_NAME
     repair = RESTART if complete else RERUN
-    if not path.is_file():
-        report.add(f"{EMBEDDINGS_NAME} is missing (NeMo's trainer seeds the draft's embed_tokens from it)", repair)
-        return
-    try:
-        tensors = load_tensors(path)
-    except (OSError, ValueError) as err:
-        report.add(f"{EMBEDDINGS_NAME}: unreadable safetensors file ({err})", repair)
+    tensors = load_whole_file(cache_dir, EMBEDDINGS_NAME, report, repair,
+                              " (NeMo's trainer seeds the draft's embed_tokens from it)")
+    if tensors is None:
         return
     weight = tensors.get("weight")
     shape = (manifest.target_vocab_size, manifest.hidden_size)
@@ -184,7 +163,7 @@ def _verify_embeddings(cache_dir: Path, manifest: Eagle3Manifest, report, *, com
 def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
     cache_dir = Path(cache_dir)
     manifest = read_eagle3(cache_dir)
-    present = sorted(_shard_indices(cache_dir))
+    present = sorted(shard_indices(cache_dir))
     tokens = supervised = positions = 0
     for index in present:
         masks = load_tensors(cache_dir / shard_name(index), ["attention_mask", "loss_mask", "position_mask"])
@@ -207,8 +186,6 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
 
 
 def format_eagle3_inspect(info: dict[str, Any]) -> str:
-    from ds_capture.cache.common.verify import human_bytes
-
     samples, tokens = info["samples"], info["tokens"]
     lines = [
         f"cache        {info['cache_dir']} (EAGLE-3, {'complete' if info['complete'] else 'INCOMPLETE'} by "

@@ -22,18 +22,15 @@ from pathlib import Path
 import torch
 
 from ds_capture.cache.common.files import ManifestShards, save_file, write_atomic
-from ds_capture.durable import TMP_SUFFIX
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, CHECKSUMS_DIR, MANIFEST_NAME
-from ds_capture.cache.common.rerun_check import shard_is_done
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME
+from ds_capture.cache.common.output_dir import prepare_shards, refuse_foreign_entries, refuse_identity_mismatch
 from ds_capture.cache.eagle3.format import (
     COMPLETE_NAME,
     EAGLE3_FORMAT_VERSION,
     EMBEDDINGS_NAME,
     Eagle3Manifest,
 )
-from ds_capture.errors import CaptureError
 
-_MAX_LISTED = 5
 VOCAB_FIELDS = ("draft_vocab_size", "selected_token_ids")
 """Known only after the counting pass: compared in the second identity check."""
 
@@ -50,16 +47,10 @@ def check_eagle3_output_dir(out_dir: Path, manifest: Eagle3Manifest, *, skip: tu
     out_dir = Path(out_dir)
     existing = read_eagle3_manifest(out_dir)
     if existing is not None:
-        differing = [name for name in existing.identity_diff(manifest) if name not in skip]
-        if differing:
-            details = "; ".join(f"{name} is {_show(getattr(existing, name))} there, "
-                                f"{_show(getattr(manifest, name))} in this run" for name in differing)
-            raise CaptureError(
-                f"{out_dir} holds a different EAGLE-3 cache: {details}. Use a new cache_output_dir or delete "
-                f"{out_dir} to recompute it (nothing in it was changed).")
+        refuse_identity_mismatch(out_dir, existing, manifest, what="EAGLE-3 cache", skip=skip)
         return existing
     if out_dir.exists():
-        _refuse_foreign_entries(out_dir)
+        refuse_foreign_entries(out_dir, {EMBEDDINGS_NAME})
     return None
 
 
@@ -71,37 +62,8 @@ def prepare_eagle3_output_dir(out_dir: Path, manifest: Eagle3Manifest, *, restar
     """
     out_dir = Path(out_dir)
     existing = check_eagle3_output_dir(out_dir, manifest, skip=skip)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for directory in (out_dir, out_dir / BOOKKEEPING_DIR, out_dir / BOOKKEEPING_DIR / CHECKSUMS_DIR):
-        if directory.is_dir():  # a .tmp is what a killed run was writing when it died
-            for entry in directory.iterdir():
-                if entry.name.endswith(TMP_SUFFIX) and entry.is_file():
-                    entry.unlink()
-    if existing is None or restart:
-        return set()
-    if is_complete(out_dir, manifest):
-        return set(range(manifest.num_shards))
-    return {index for index in range(manifest.num_shards) if shard_is_done(out_dir, index, manifest)}
-
-
-def _show(value: object) -> str:
-    if isinstance(value, tuple):
-        text = str(list(value))
-        return text if len(text) <= 80 else text[:77] + "...]"
-    return repr(value) if isinstance(value, str) or value is None else str(value)
-
-
-def _refuse_foreign_entries(out_dir: Path) -> None:
-    if not out_dir.is_dir():
-        raise CaptureError(f"cache_output_dir {out_dir} exists and is not a directory; choose another path.")
-    own = {EMBEDDINGS_NAME, BOOKKEEPING_DIR}
-    foreign = sorted(e.name for e in out_dir.iterdir() if e.name not in own and not e.name.endswith(TMP_SUFFIX))
-    if foreign:
-        listed = ", ".join(foreign[:_MAX_LISTED]) + (f" (and {len(foreign) - _MAX_LISTED} more)"
-                                                     if len(foreign) > _MAX_LISTED else "")
-        raise CaptureError(
-            f"cache_output_dir {out_dir} is not empty and holds no cache manifest ({MANIFEST_NAME}): it contains "
-            f"{listed}. Use a new or empty cache_output_dir.")
+    return prepare_shards(out_dir, manifest, existing, restart=restart,
+                          is_complete=lambda: is_complete(out_dir, manifest))
 
 
 # -- files ------------------------------------------------------------------------------------
