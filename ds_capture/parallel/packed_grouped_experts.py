@@ -25,42 +25,34 @@ import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.resident_experts import StoredExpertStack
 from ds_capture.target import quant
 
 STACKED = ("gate_and_up_projs", "down_projs")
 
 
-class PackedExpertStack(nn.Module):
+class PackedExpertStack(StoredExpertStack):
     """Stands in for one stacked ``GroupedExperts`` parameter: this rank's experts as stored in the release."""
 
     resident_packed = True
     """Marks the module for the loader (:func:`~ds_capture.target.nemo_models.fill_from_release`)."""
 
     def __init__(self, name: str, like: torch.Tensor, first_expert: int) -> None:
-        super().__init__()
-        self.name, self.dtype, self.first_expert = name, like.dtype, first_expert
-        self.shape = tuple(like.shape)
+        super().__init__(name, like)
+        self.first_expert = first_expert
         self.device = like.device
         """Where the packed parts and the rebuilt experts live: set by the loader (no buffer: nothing to init)."""
-        self.pieces: list[list[tuple[Any, ...]]] = [[] for _ in range(self.shape[0])]
-
-    def numel(self) -> int:
-        return self.shape[0] * int(torch.Size(self.shape[1:]).numel())
+        self.pieces: list[list[tuple[Any, ...]]] = [[] for _ in range(self.num_local)]
 
     def put(self, placement: Any, qt: quant.QuantTensor, dtype: torch.dtype) -> tuple[int, int]:
         """Keep one release piece of an owned expert as stored (values + covering scales); (bytes read, elements
         of the expert it fills). ``dtype``: the model dtype the dequantized path rounds to first."""
         if placement.expert is None or placement.narrow is not None:
             raise AssertionError(f"{self.name}: a packed expert piece must be one whole expert tensor ({placement})")
-        qt, num_bytes = quant.resolve_shape(qt)
-        region = quant.region_of(qt, None, 0, 0)
-        if region.cols[1] > qt.shape[1]:
-            region = quant.Region(region.rows, (region.cols[0], qt.shape[1]))
-        stored, scale, origin, scale_origin = quant.read_parts(qt, region)
+        qt, region, (stored, scale, origin, scale_origin), num_bytes = self.read_stored(qt, clip_cols=True)
         device = self.device
         piece = (placement, qt, region, stored.to(device), scale.to(device), origin, scale_origin, dtype)
         self.pieces[placement.expert - self.first_expert].append(piece)
-        num_bytes += stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
         return num_bytes, (region.rows[1] - region.rows[0]) * (region.cols[1] - region.cols[0])
 
     def packed_bytes(self) -> int:

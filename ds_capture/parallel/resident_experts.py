@@ -32,17 +32,47 @@ from ds_capture.target.families import TargetInfo
 EXPERT_STORAGES = ("dequantized", "checkpoint")
 
 
-class QuantizedExpertStack(nn.Module):
+class StoredExpertStack(nn.Module):
+    """Stands in for one stacked experts parameter ``[E_local, ...]``: this rank's experts kept as the checkpoint
+    stores them (values and covering scales), each rebuilt in the model dtype, exactly as dequantize-on-load
+    builds it, when the forward indexes it (``stack[e]``). :class:`QuantizedExpertStack` (transformers' fused
+    experts) and :class:`~ds_capture.parallel.packed_grouped_experts.PackedExpertStack` (NeMo's GroupedExperts)."""
+
+    def __init__(self, name: str, like: torch.Tensor) -> None:
+        super().__init__()
+        self.name, self.dtype, self.shape = name, like.dtype, tuple(like.shape)
+        self.num_local = self.shape[0]
+
+    def numel(self) -> int:
+        return self.num_local * int(torch.Size(self.shape[1:]).numel())
+
+    @staticmethod
+    def read_stored(qt: quant.QuantTensor, *, clip_cols: bool = False) -> tuple[quant.QuantTensor, quant.Region,
+                                                                                tuple[Any, ...], int]:
+        """One whole checkpoint piece as stored: ``(qt with its shape resolved, region, (stored, scale, origin,
+        scale_origin), bytes read)``; ``clip_cols`` clips the region to the logical columns (packed FP4)."""
+        qt, num_bytes = quant.resolve_shape(qt)
+        region = quant.region_of(qt, None, 0, 0)
+        if clip_cols and region.cols[1] > qt.shape[1]:
+            region = quant.Region(region.rows, (region.cols[0], qt.shape[1]))
+        parts = quant.read_parts(qt, region)
+        stored, scale = parts[0], parts[1]
+        num_bytes += stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
+        return qt, region, parts, num_bytes
+
+    def __getitem__(self, expert: int | torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QuantizedExpertStack(StoredExpertStack):
     """Stands in for one fused experts parameter: this rank's experts, stored as in the checkpoint."""
 
     resident_quantized = True
     """Marks the module for the loader (which puts raw parts into it instead of dequantized tensors)."""
 
     def __init__(self, name: str, like: torch.Tensor, owned: Any) -> None:
-        super().__init__()
-        self.name, self.dtype, self.owned = name, like.dtype, owned
-        self.num_local = like.shape[0]
-        self.shape = tuple(like.shape)
+        super().__init__(name, like)
+        self.owned = owned
         self.register_buffer("_anchor", torch.empty(0, device=like.device), persistent=False)  # follows to_empty
         self.templates: dict[str, quant.QuantTensor] = {}
         """Converter source pattern (gate, up, ...) -> its pieces' layout (every expert's is the same)."""
@@ -50,8 +80,7 @@ class QuantizedExpertStack(nn.Module):
 
     def put(self, slot: int, pattern: str, qt: quant.QuantTensor, converter: Any) -> int:
         """Read expert ``slot``'s ``pattern`` piece as stored (values + scales) into its slot; the bytes read."""
-        qt, num_bytes = quant.resolve_shape(qt)
-        stored, scale, _, _ = quant.read_parts(qt, quant.region_of(qt, None, 0, 0))
+        qt, _, (stored, scale, _, _), num_bytes = self.read_stored(qt)
         if pattern not in self.templates:
             if self.templates and next(iter(self.templates.values())).scheme != qt.scheme:
                 raise CaptureError(f"{qt.key}: the experts of {self.name} mix quantization schemes.")
@@ -69,7 +98,7 @@ class QuantizedExpertStack(nn.Module):
                                f"{template.key}'s {list(template.shape)} ({template.scheme}) in {self.name}.")
         getattr(self, f"stored_{index}")[slot].copy_(stored)
         getattr(self, f"scale_{index}")[slot].copy_(scale)
-        return num_bytes + stored.numel() * stored.element_size() + scale.numel() * scale.element_size()
+        return num_bytes
 
     def __getitem__(self, expert: int | torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s fused weight in the model dtype, dequantized now (as dequantize-on-load does)."""
