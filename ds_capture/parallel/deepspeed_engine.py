@@ -33,13 +33,8 @@ from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.parallel.single import build_single_model
 from ds_capture.parallel.tensor_parallel import apply_tensor_parallel
 from ds_capture.target.families import TargetInfo
-from ds_capture.target.loading import (
-    LoadStats,
-    build_meta_model,
-    load_owned_parameters,
-    record_tensor_layout,
-    restore_tensor_layout,
-)
+from ds_capture.target.loading import build_meta_model, load_owned_parameters
+from ds_capture.target.tensor_io import LoadStats, record_tensor_layout, restore_tensor_layout
 
 # AutoTP's default grain (64) rounds shard sizes of the MLP / lm_head to multiples of 64, which
 # leaves a rank with an empty shard when a dim is small (DESIGN §6). 1 splits evenly; a DeepSpeed

@@ -34,7 +34,7 @@ from ds_capture.errors import CaptureError
 from ds_capture.target.families import Family, get_submodule
 from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
-from ds_capture.target.loading import OwnedSlice
+from ds_capture.target.checkpoint_reads import OwnedSlice
 
 
 def _combine_index_add(expert_out: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

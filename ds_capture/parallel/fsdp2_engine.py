@@ -32,16 +32,10 @@ from torch import nn
 
 from ds_capture.errors import CaptureError
 from ds_capture.target.families import TargetInfo, get_submodule
-from ds_capture.target.loading import (
-    LoadStats,
-    OwnedSlice,
-    build_meta_model,
-    checkpoint_sources,
-    compute_host_buffers,
-    fill_from_checkpoint,
-    record_tensor_layout,
-    restore_tensor_layout,
-)
+from ds_capture.target.checkpoint_reads import OwnedSlice, fill_from_checkpoint
+from ds_capture.target.key_map import checkpoint_sources
+from ds_capture.target.loading import build_meta_model, compute_host_buffers
+from ds_capture.target.tensor_io import LoadStats, record_tensor_layout, restore_tensor_layout
 
 
 def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torch.dtype,

@@ -33,7 +33,8 @@ from ds_capture.errors import CaptureError
 from ds_capture.parallel.engram_parallel import apply_engram_row_parallel
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.target.families import TargetInfo
-from ds_capture.target.loading import build_meta_model, record_tensor_layout, restore_tensor_layout
+from ds_capture.target.loading import autotp_partitions, build_meta_model
+from ds_capture.target.tensor_io import record_tensor_layout, restore_tensor_layout
 
 
 @dataclass(frozen=True)
@@ -129,30 +130,20 @@ class TensorPartition:
 def tensor_partitions(model: nn.Module) -> dict[str, TensorPartition]:
     """Parameter name -> its TP split, for every parameter an AutoTP layer shards (absent: whole on every rank).
 
-    Read from ``DS_AUTOTP_UC_META``, the metadata the loader (:func:`~ds_capture.target.loading._owned_slices`)
-    slices the checkpoint by; a split the loader cannot slice is refused the same way.
+    Read by the loader's own reader (:func:`~ds_capture.target.loading.autotp_partitions`), so a split the loader
+    cannot slice is refused the same way.
     """
-    from deepspeed.module_inject.layers import DS_AUTOTP_UC_META, TensorParallel_Layer
+    import deepspeed.module_inject.layers as autotp
 
     found: dict[str, TensorPartition] = {}
     for module_name, module in model.named_modules():
         # Our own plan's linears (engine/tensor_parallel.py) publish their slice: an even split of dim 0.
         for leaf, cut in getattr(module, "owned_slices", {}).items():
             found[f"{module_name}.{leaf}"] = TensorPartition(dim=cut.dim, sizes=(cut.length,) * module.tp_size)
-        if not isinstance(module, TensorParallel_Layer):
-            continue
-        module._mark_uc_metadata()
-        prefix = f"{module_name}." if module_name else ""
-        for leaf, param in module.named_parameters(recurse=False):
-            meta = getattr(param, DS_AUTOTP_UC_META, None)
-            if meta is None or meta["sub_param_shard_widths"]:
-                raise CaptureError(
-                    f"AutoTP sharded {prefix}{leaf} with a layout the loader cannot slice "
-                    f"({type(module).__name__}). Set distributed.tp_size to 1 for this target."
-                )
-            if meta["replicated"] or meta["partition_dim"] is None:
-                continue
-            found[prefix + leaf] = TensorPartition(dim=meta["partition_dim"], sizes=tuple(meta["partition_sizes"]))
+        if isinstance(module, autotp.TensorParallel_Layer):
+            prefix = f"{module_name}." if module_name else ""
+            for name, dim, sizes in autotp_partitions(module, prefix, autotp):
+                found[name] = TensorPartition(dim=dim, sizes=tuple(sizes))
     return found
 
 

@@ -102,7 +102,7 @@ class QuantizedExpertStack(StoredExpertStack):
 
     def __getitem__(self, expert: int | torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s fused weight in the model dtype, dequantized now (as dequantize-on-load does)."""
-        from ds_capture.target.loading import _convert_pieces
+        from ds_capture.target.checkpoint_reads import convert_pieces
 
         e = int(expert)
         # One key per pattern that sorts as the checkpoint's keys of one expert do (the loader fuses in that order).
@@ -110,7 +110,7 @@ class QuantizedExpertStack(StoredExpertStack):
         pieces = {keys[pattern]: quant.dequantize(self.templates[pattern], getattr(self, f"stored_{i}")[e],
                                                   getattr(self, f"scale_{i}")[e])
                   for i, pattern in enumerate(self.templates)}
-        fused = _convert_pieces(self.converter, pieces, {key: pattern for pattern, key in keys.items()}, self.name)
+        fused = convert_pieces(self.converter, pieces, {key: pattern for pattern, key in keys.items()}, self.name)
         return fused[0].to(self.dtype)
 
     def dense(self) -> torch.Tensor:
@@ -161,7 +161,8 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
 
     Call it after expert parallelism / AutoTP are applied (it keeps the EP rank's experts only).
     """
-    from ds_capture.target.loading import OwnedSlice, checkpoint_sources
+    from ds_capture.target.checkpoint_reads import OwnedSlice
+    from ds_capture.target.key_map import checkpoint_sources
 
     _, key_map, _ = checkpoint_sources(model, target)
     swapped = []

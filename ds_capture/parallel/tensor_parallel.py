@@ -33,7 +33,7 @@ from torch import nn
 
 from ds_capture.errors import CaptureError
 from ds_capture.target.families import Family, get_submodule
-from ds_capture.target.loading import OwnedSlice
+from ds_capture.target.checkpoint_reads import OwnedSlice
 
 
 class ColumnParallelLinear(nn.Linear):
