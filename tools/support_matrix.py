@@ -2,7 +2,7 @@
 
 In:  ``benchmarks/results/support_matrix.json``, written by ``tests/distributed/test_family_layouts.py`` (per
      family and layout: ``equal`` with the max relative diff vs one process, ``differs``, or ``refused`` with the
-     reason), and the refusals declared in ``ds_capture.target.families.FAMILIES``.
+     reason), and the refusals declared in ``ds_capture.target.family_registry.FAMILIES``.
 Out: a markdown table on stdout; a layout with no test result and no declared refusal reads "untested".
      Paste it over the table in docs/support.md: tests/unit/test_docs.py fails while the page differs.
 

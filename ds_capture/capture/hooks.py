@@ -1,7 +1,7 @@
 """Capture: scoped forward hooks that turn one forward pass into the cache's hidden-state tensors.
 
 In: a plain Hugging Face causal LM (possibly sharded by an engine: its module paths are unchanged),
-its :class:`~ds_capture.target.families.Family`, and the layer ids. Out, per forward: the concatenated
+its :class:`~ds_capture.target.family.Family`, and the layer ids. Out, per forward: the concatenated
 intermediate features ``[B, S, H*k]`` and the post-final-norm state ``[B, S, H]``.
 
 Layer-id semantics (DESIGN §3), for L decoder layers: id ``i`` in ``0..L-2`` is the output of

@@ -1,6 +1,6 @@
 """Row-parallel lookup tables (DeepSeek-V4.1's Engram): a table's rows split over a group, every lookup exact.
 
-In:  a plain (NeMo-built) causal LM on ``meta``, its :class:`~ds_capture.target.families.Family` (the decoder-layer-
+In:  a plain (NeMo-built) causal LM on ``meta``, its :class:`~ds_capture.target.family.Family` (the decoder-layer-
      relative ``row_parallel_tables``) and the group / size / this rank's index in it (the DeepSpeed engine: WORLD,
      DP ranks included; ``ds-capture plan``: no group, the layout's world size).
 Out: the same model, every such table (``embed(ids [...]) -> [..., D]``, weight ``[rows, D]``) replaced by a
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
-from ds_capture.target.families import Family, get_submodule
+from ds_capture.target.family import Family, get_submodule
 
 
 class RowParallelTable(nn.Module):

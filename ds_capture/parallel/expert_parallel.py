@@ -1,6 +1,6 @@
 """Expert parallelism for Hugging Face fused-expert MoE blocks: E/ep routed experts per rank, all-to-all dispatch.
 
-In:  a plain Hugging Face causal LM (on meta or materialised), its :class:`~ds_capture.target.families.Family`, and
+In:  a plain Hugging Face causal LM (on meta or materialised), its :class:`~ds_capture.target.family.Family`, and
      this rank's EP group / size / rank.
 Out: the same model, each MoE block's routed-experts module now holding experts
      ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` only and exchanging tokens with its EP peers.
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.families import Family, get_submodule
+from ds_capture.target.family import Family, get_submodule
 from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
 from ds_capture.target.checkpoint_reads import OwnedSlice

@@ -31,7 +31,8 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.families import TargetInfo, get_submodule
+from ds_capture.target.families import TargetInfo
+from ds_capture.target.family import get_submodule
 from ds_capture.target.checkpoint_reads import OwnedSlice, fill_from_checkpoint
 from ds_capture.target.key_map import checkpoint_sources
 from ds_capture.target.loading import build_meta_model, compute_host_buffers

@@ -1,7 +1,7 @@
 """Our own tensor parallelism for families AutoTP mis-shards: the family's explicit plan, applied to a plain model.
 
 In:  a plain Hugging Face causal LM on ``meta`` (experts already expert-parallel or not), its
-     :class:`~ds_capture.target.families.Family` (``tp_plan``: decoder-layer-relative paths -> a style), and this rank's
+     :class:`~ds_capture.target.family.Family` (``tp_plan``: decoder-layer-relative paths -> a style), and this rank's
      TP group.
 Out: the same model, each planned tensor keeping this rank's block ``[r * N/tp, (r+1) * N/tp)`` of its dim 0:
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.families import Family, get_submodule
+from ds_capture.target.family import Family, get_submodule
 from ds_capture.target.checkpoint_reads import OwnedSlice
 
 

@@ -33,7 +33,8 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.families import TargetInfo, get_submodule
+from ds_capture.target.families import TargetInfo
+from ds_capture.target.family import get_submodule
 
 ZERO3_CONFIG: Mapping[str, Any] = {
     "train_micro_batch_size_per_gpu": 1,  # DeepSpeed requires it; no step is ever taken

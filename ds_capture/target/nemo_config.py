@@ -1,6 +1,6 @@
 """NeMo AutoModel 0.7.0 as an optional dependency: whether it is there, and its config of a checkpoint.
 
-In:  a registry :class:`~ds_capture.target.families.Family` of a NeMo-built family, the checkpoint directory.
+In:  a registry :class:`~ds_capture.target.family.Family` of a NeMo-built family, the checkpoint directory.
 Out: :func:`require_nemo` (a ``CaptureError`` naming the fix when NeMo 0.7.0 is not importable),
 :func:`read_nemo_config` (NeMo's config class read from ``config.json``), :func:`resolve` (``module:attr``).
 """

@@ -21,7 +21,8 @@ from ds_capture.parallel.deepspeed_engine import build_sharded_model
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.layout import build_layout, new_groups
 from ds_capture.parallel.single import load_with_from_pretrained
-from ds_capture.target.families import get_submodule, read_target_info
+from ds_capture.target.families import read_target_info
+from ds_capture.target.family import get_submodule
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

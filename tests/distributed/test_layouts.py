@@ -102,7 +102,7 @@ def _worker(specs_path: str, out_root: str) -> None:
     torch.set_num_threads(1)
     import ds_capture.runner as runner
     from ds_capture.recipe.config import load_config
-    from ds_capture.target.families import get_submodule
+    from ds_capture.target.family import get_submodule
 
     real_build_model = runner.build_model
     real_model_inputs = runner.PlannedBatch.model_inputs
