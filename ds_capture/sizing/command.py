@@ -32,7 +32,8 @@ from ds_capture.errors import CaptureError
 from ds_capture.parallel.layout import build_layout, check_family_layout, resolve_degrees
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
-from ds_capture.sizing.count import Layout, RankEstimate, Sizer, cache_estimate
+from ds_capture.sizing.cache_size import cache_estimate
+from ds_capture.sizing.count import Layout, RankEstimate, Sizer
 from ds_capture.target.families import TargetInfo, read_target_info
 
 MAX_WORLD_SIZE = 512

@@ -1,0 +1,63 @@
+"""The cache half of ``ds-capture plan``: how large the cache will be, per sample, in total and on disk.
+
+In:  the run config, the target, the cache's layer ids, and (when it is here) the dataset. Out: :func:`cache_estimate`
+     -> bytes per sample and in total (format v1 pads every row to S), the target weights, and what the rows would
+     take on disk without their padding (token counts measured with the target's tokenizer, or estimated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.count import DTYPE_BYTES
+from ds_capture.target.families import TargetInfo
+
+
+def cache_estimate(cfg: Any, target: TargetInfo, layer_ids: list[int], count_dataset: bool) -> dict[str, Any]:
+    """Bytes per sample and in total (format v1 pads every row to S), and on disk if padding were not stored."""
+    args = cfg.recipe_args
+    H, k, cb = target.hidden_size, len(layer_ids), DTYPE_BYTES[args.cache_dtype]
+    per_sample = mm.cache_bytes_per_sample(seq_length=args.seq_length, hidden_size=H, num_layer_ids=k, cache_bytes=cb)
+    weights = mm.target_weights_bytes(vocab_size=target.vocab_size, hidden_size=H, cache_bytes=cb)
+    out: dict[str, Any] = {"bytes_per_sample": per_sample, "target_weights_bytes": weights, "num_samples": None,
+                           "total_bytes": None, "unpadded_total_bytes": None, "lengths": None}
+    if not count_dataset or not args.train_data.exists():
+        out["note"] = f"dataset {args.train_data_path} not found here: totals need its row count"
+        return out
+    from ds_capture.data.tokenization import read_conversations
+
+    conversations = read_conversations(str(args.train_data), split=args.train_split,
+                                       shuffle_seed=args.shuffle_seed)
+    lengths, how = _sample_lengths(cfg, target, conversations)
+    num_samples = len(conversations)
+    mean_tokens = sum(lengths) / len(lengths) if lengths else 0.0
+    out.update(num_samples=num_samples, total_bytes=num_samples * per_sample + weights,
+               unpadded_total_bytes=int(mm.cache_bytes_unpadded([1], hidden_size=H, num_layer_ids=k,
+                                                               cache_bytes=cb) * mean_tokens * num_samples) + weights,
+               lengths={"how": how, "rows_measured": len(lengths), "mean_tokens": round(mean_tokens, 1)})
+    return out
+
+
+def _sample_lengths(cfg: Any, target: TargetInfo, conversations: list, limit: int = 1000) -> tuple[list[int], str]:
+    """Token counts (truncated to S) of up to ``limit`` evenly spaced rows: with the target's tokenizer when its
+    directory has one, else estimated as one token per 4 characters of content (+ 8 per message for the template)."""
+    args = cfg.recipe_args
+    step = max(1, len(conversations) // limit)
+    picked = conversations[::step][:limit]
+    if any((target.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        from ds_capture.data.tokenization import resolve_chat_template, tokenize_conversations
+
+        tokenizer = AutoTokenizer.from_pretrained(str(target.path), trust_remote_code=args.trust_remote_code)
+        rows = tokenize_conversations(picked, tokenizer, chat_template=resolve_chat_template(tokenizer,
+                                      args.chat_template), seq_length=args.seq_length,
+                                      mask_reasoning_content=args.mask_reasoning_content,
+                                      mask_generation_prompt=args.mask_generation_prompt)
+        return [int(n) for n in rows.num_tokens], "tokenized with the target's tokenizer"
+    lengths = []
+    for messages in picked:
+        chars = sum(len(str(m.get("content") or "")) + len(str(m.get("reasoning_content") or "")) for m in messages)
+        lengths.append(min(args.seq_length, chars // 4 + 8 * len(messages)))
+    return lengths, "estimated at 4 characters per token (no tokenizer in the target directory)"
