@@ -41,11 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also show other libraries' warnings (import noise included); DS_CAPTURE_LOG_LEVEL sets "
                              "their level (default ERROR)")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_serve(sub)
+    _add_plan(sub)
+    _add_cache_commands(sub)
+    _add_regenerate(sub)
+    return parser
 
+
+def _add_recipe(command: argparse.ArgumentParser, config_help: str,
+                set_help: str = "override a YAML value (repeatable)") -> None:
+    """``-c/--config`` and ``--set``: the recipe every target command reads."""
+    command.add_argument("-c", "--config", required=True, help=config_help)
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
+                         help=set_help)
+
+
+def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="capture a target's hidden states into a cache")
-    run.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
-                     help="override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
+    _add_recipe(run, "YAML recipe (see configs/)",
+                "override a YAML value, e.g. --set recipe_args.seq_length=512 (repeatable)")
     run.add_argument("--restart", action="store_true", help="recompute every shard even where valid ones exist")
     run.add_argument("--verify-checksums", action="store_true",
                      help="over a cache marked complete, also re-hash every shard against its checksum sidecar "
@@ -54,13 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
                      help="as ds-capture --verbose: also show other libraries' warnings")
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve the target to NeMo's EAGLE-3 trainer (target_model_backend: remote)")
-    serve.add_argument("-c", "--config", required=True, help="YAML recipe with cache_kind: eagle3 (see docs/serve.md)")
-    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
-                       help="override a YAML value (repeatable)")
+    _add_recipe(serve, "YAML recipe with cache_kind: eagle3 (see docs/serve.md)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; NeMo's client sends no credentials)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port of replica 0; replica d listens on PORT + d (default 8000; 0: free ones, logged)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="TCP port of replica 0; replica d listens on PORT + d (default 8000; 0: free ones, logged)")
     serve.add_argument("--exit-on-disconnect", action="store_true",
                        help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
     serve.add_argument("--max-batch-rows", type=int, default=64,
@@ -70,16 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-interval", type=float, default=30.0,
                        help="seconds between progress lines (default 30; 0: none)")
 
+
+def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="size a run on every rank from the target's config.json (no weights)")
-    plan.add_argument("-c", "--config", required=True, help="YAML recipe (see configs/)")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="dotted.key=value",
-                      help="override a YAML value (repeatable)")
+    _add_recipe(plan, "YAML recipe (see configs/)")
     plan.add_argument("--world-size", type=int, default=None,
                       help="ranks of the job (default: the smallest world the degrees allow)")
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="GPU memory per rank (default: capture.gpu_memory_gib, else this machine's GPU, else 80 GB)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
+
+def _add_cache_commands(sub: Any) -> None:
+    """verify, inspect and compare: commands over cache directories (no target, no recipe)."""
     verify = sub.add_parser("verify", help="check a cache against the format contract")
     verify.add_argument("cache_dir", type=Path)
     verify.add_argument("--checksums", action="store_true", help="re-hash every shard against its recorded sha256")
@@ -97,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: by cache dtype)")
     compare.add_argument("--json", action="store_true", help="print a machine-readable report")
 
+
+def _add_regenerate(sub: Any) -> None:
     regenerate = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target, through an "
                                                    "OpenAI-compatible server (vLLM, SGLang, transformers serve)")
     regenerate.add_argument("--data", required=True, help="any dataset ds-capture run reads, or demo:conversations")
@@ -114,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
                             help="retries of a failed request, 0.5 s apart and doubling (default 5)")
     regenerate.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     regenerate.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

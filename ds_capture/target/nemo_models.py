@@ -170,7 +170,6 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     block at a time): release tensors of the others are skipped here, not reported as unexpected."""
     from ds_capture.target import quant
     from ds_capture.target.tensor_io import LoadStats, _checkpoint_index, _few
-    from ds_capture.target.nemo_release import read_release_tensor, transform
 
     family = target.family
     raw = json.loads((target.path / "config.json").read_text())
@@ -179,6 +178,38 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     files = _checkpoint_index(target.path)
     headers = quant.read_headers(files.values())
     index, _parts = quant.logical_keys(files, headers)
+    reads, unexpected = _release_reads(index, place_key, destinations, names, rows)
+    quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), {k for k, _ in reads})
+    written: dict[str, int] = {}
+    stats = LoadStats()
+    for key, placement in reads:
+        destination = destinations[placement.native]
+        if getattr(destination, "resident_packed", False):  # experts kept as released
+            if key not in quantized:
+                raise CaptureError(f"{index[key]}: {key} is not quantized; capture.expert_storage: checkpoint keeps "
+                                   "only quantized routed experts packed. Use capture.expert_storage: dequantized.")
+            num_bytes, numel = destination.put(placement, quantized[key], dtype)
+        else:
+            num_bytes, numel = _copy_release_tensor(target, key, placement, index, quantized, destination,
+                                                    rows.get(placement.native, (0, None)), dtype)
+        stats.bytes_read += num_bytes
+        stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
+        written[placement.native] = written.get(placement.native, 0) + numel
+    stats.num_files = len({index[key] for key, _ in reads})
+    missing = sorted(name for name, tensor in destinations.items() if written.get(name, 0) != tensor.numel())
+    if missing or unexpected:
+        raise CaptureError(
+            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its "
+            f"config.json (missing or incomplete: {_few(missing)}; unexpected: {_few(unexpected)}). Point "
+            "recipe_args.target_model_name_or_path at the complete release."
+        )
+    return stats
+
+
+def _release_reads(index: dict[str, Any], place_key: Callable, destinations: dict[str, torch.Tensor],
+                   names: set[str], rows: dict[str, tuple[int, int]]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """``(release key, placement)`` of every release tensor this rank reads, in key order, and the release tensors
+    the model has no place for (``release key -> native name``)."""
     reads, unexpected = [], []
     for key in sorted(index):
         placement = place_key(key)
@@ -194,52 +225,35 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
         if count == 0:
             continue  # an FSDP2 rank past the last chunk of a small dim
         reads.append((key, placement))
-    quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), {k for k, _ in reads})
-    written: dict[str, int] = {}
-    stats = LoadStats()
-    for key, placement in reads:
-        start, count = rows.get(placement.native, (0, None))
-        if getattr(destinations[placement.native], "resident_packed", False):  # experts kept as released
-            if key not in quantized:
-                raise CaptureError(f"{index[key]}: {key} is not quantized; capture.expert_storage: checkpoint keeps "
-                                   "only quantized routed experts packed. Use capture.expert_storage: dequantized.")
-            num_bytes, numel = destinations[placement.native].put(placement, quantized[key], dtype)
-            stats.bytes_read += num_bytes
-            stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
-            written[placement.native] = written.get(placement.native, 0) + numel
-            continue
-        # The release tensor's rows are the native ones: read only this rank's (a 183 GiB Engram table's 1/world).
-        sliced = (count is not None and placement.expert is None and not placement.index
-                  and not placement.transpose and placement.narrow is None)
-        # Dequantized in fp32 and rounded to the model dtype, as NeMo's adapters store it (then cast on copy).
-        tensor, num_bytes = read_release_tensor(key, index, quantized, dtype,
-                                                rows=(start, count) if sliced else None)
-        stats.bytes_read += num_bytes
-        stats.bytes_by_param[placement.native] = stats.bytes_by_param.get(placement.native, 0) + num_bytes
-        tensor = transform(placement, tensor)
-        destination = destinations[placement.native]
-        if placement.expert is not None:
-            destination = destination[placement.expert - start]
-        elif count is not None and not sliced:  # this rank's rows of a whole tensor
-            tensor = tensor[start:start + count]
-        destination = destination[placement.index] if placement.index else destination
-        if tuple(tensor.shape) != tuple(destination.shape):
-            raise CaptureError(
-                f"{index[key]}: tensor {key} has shape {tuple(tensor.shape)} where the {target.model_type} model "
-                f"built from config.json expects {tuple(destination.shape)} (in {placement.native}). The checkpoint "
-                "and its config.json disagree: re-download the release or fix config.json."
-            )
-        destination.copy_(tensor)
-        written[placement.native] = written.get(placement.native, 0) + tensor.numel()
-    stats.num_files = len({index[key] for key, _ in reads})
-    missing = sorted(name for name, tensor in destinations.items() if written.get(name, 0) != tensor.numel())
-    if missing or unexpected:
+    return reads, unexpected
+
+
+def _copy_release_tensor(target: Any, key: str, placement: Any, index: dict[str, Any], quantized: dict[str, Any],
+                         destination: torch.Tensor, rows: tuple[int, int | None], dtype: torch.dtype) -> tuple[int, int]:
+    """Read one release tensor (this rank's rows of it where it can), place it in ``destination``; (bytes read,
+    elements written)."""
+    from ds_capture.target.nemo_release import read_release_tensor, transform
+
+    start, count = rows
+    # The release tensor's rows are the native ones: read only this rank's (a 183 GiB Engram table's 1/world).
+    sliced = (count is not None and placement.expert is None and not placement.index
+              and not placement.transpose and placement.narrow is None)
+    # Dequantized in fp32 and rounded to the model dtype, as NeMo's adapters store it (then cast on copy).
+    tensor, num_bytes = read_release_tensor(key, index, quantized, dtype, rows=(start, count) if sliced else None)
+    tensor = transform(placement, tensor)
+    if placement.expert is not None:
+        destination = destination[placement.expert - start]
+    elif count is not None and not sliced:  # this rank's rows of a whole tensor
+        tensor = tensor[start:start + count]
+    destination = destination[placement.index] if placement.index else destination
+    if tuple(tensor.shape) != tuple(destination.shape):
         raise CaptureError(
-            f"{target.path}: the checkpoint does not match the {target.model_type} model built from its "
-            f"config.json (missing or incomplete: {_few(missing)}; unexpected: {_few(unexpected)}). Point "
-            "recipe_args.target_model_name_or_path at the complete release."
+            f"{index[key]}: tensor {key} has shape {tuple(tensor.shape)} where the {target.model_type} model "
+            f"built from config.json expects {tuple(destination.shape)} (in {placement.native}). The checkpoint "
+            "and its config.json disagree: re-download the release or fix config.json."
         )
-    return stats
+    destination.copy_(tensor)
+    return num_bytes, tensor.numel()
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
