@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -200,7 +200,6 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                           shards_written=0, shards_skipped=len(done_shards), num_tokens=0, bytes_written=0,
                           seconds=time.perf_counter() - started, published=False,
                           rerun_check=prepared.rerun_check, rows_skipped=len(prepared.skipped_rows or ()))
-
     if loading is not None:
         model = loading.result()
     else:
@@ -209,15 +208,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     device = next(model.parameters()).device
     kind.start(target, device=device, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
                manifest=manifest, writes=plan.is_writer)
-    options = cfg.capture
-    if target.family.full_width and options.pad_to_multiple_of:
-        _LOG.info("capture.pad_to_multiple_of %d does not apply to model_type %r: every row is computed at "
-                  "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
-                  target.family.width_reason)
-        options = replace(options, pad_to_multiple_of=0)
-    todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
-    batches = [batch for index in todo for batch in plan_micro_batches(
-        index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
+    options, batches = _micro_batches(cfg, target, plan, manifest, rows_by_shard, done_shards)
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
     # ranks that run out of data forward a tiny padding batch whose output is discarded.
     num_steps = all_reduce_max_int(len(batches))
@@ -267,7 +258,29 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                           f"{manifest.num_shards} shards are finished (with their checksums), no partial file is "
                           "left under a final name; rerun the same command to continue.")
 
-    # Publish only after every rank has written its shards (and only if all of them succeeded).
+    return _publish(kind, plan, out_dir, manifest, writer, progress, prepared, len(done_shards),
+                    started=started, loop_started=loop_started)
+
+
+def _micro_batches(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, manifest: Any,
+                   rows_by_shard: Any, done_shards: Any) -> tuple[Any, list]:
+    """This rank's micro-batches of the shards not done yet, and the capture options they were planned with
+    (``pad_to_multiple_of`` off where the family computes every row at ``seq_length``)."""
+    args, options = cfg.recipe_args, cfg.capture
+    if target.family.full_width and options.pad_to_multiple_of:
+        _LOG.info("capture.pad_to_multiple_of %d does not apply to model_type %r: every row is computed at "
+                  "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
+                  target.family.width_reason)
+        options = replace(options, pad_to_multiple_of=0)
+    todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
+    return options, [batch for index in todo for batch in plan_micro_batches(
+        index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
+
+
+def _publish(kind: CacheKind, plan: ParallelLayout, out_dir: Path, manifest: Any, writer: Any, progress: Progress,
+             prepared: "_Prepared", num_skipped: int, *, started: float, loop_started: float) -> RunSummary:
+    """Rank 0 marks the cache complete once every rank has written its shards (and only if all of them
+    succeeded); the run's summary, summed over the ranks (collective)."""
     agree_on_error(None)
     if plan.is_manifest_writer:
         with _output_errors(out_dir):
@@ -275,7 +288,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     totals = _sum_over_ranks([writer.shards_written, writer.bytes_written, writer.logical_bytes, writer.disk_bytes])
     return RunSummary(
         output_dir=str(out_dir), num_samples=manifest.num_samples, num_shards=manifest.num_shards,
-        shards_written=totals[0], shards_skipped=len(done_shards), num_tokens=progress.global_tokens,
+        shards_written=totals[0], shards_skipped=num_skipped, num_tokens=progress.global_tokens,
         bytes_written=totals[1], seconds=time.perf_counter() - started,
         capture_seconds=time.perf_counter() - loop_started, logical_bytes=totals[2], disk_bytes=totals[3],
         writer_busy_seconds=writer.busy_seconds, rows_skipped=len(prepared.skipped_rows or ()),
