@@ -161,7 +161,7 @@ def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.devi
     (experts ``[start, start + n)`` for fused expert tensors, opening only those experts' per-expert
     tensors). Buffers are not sharded: persistent ones are read whole, non-persistent ones (rotary
     ``inv_freq``) are computed by the model's own ``_init_weights``. The reads are
-    :func:`~ds_capture.target.loading.fill_from_checkpoint`'s, as for the DeepSpeed engine.
+    :func:`~ds_capture.target.checkpoint_reads.fill_from_checkpoint`'s, as for the DeepSpeed engine.
     """
 
     layout = record_tensor_layout(model)

@@ -3,7 +3,7 @@
 In:  a model on meta (plain, expert-parallel or AutoTP-sharded) and its :class:`~ds_capture.target.families.TargetInfo`.
 Out: :func:`keep_experts_quantized` replaces every fused routed-experts parameter (``gate_up_proj``,
      ``down_proj``) whose checkpoint pieces are all quantized by a :class:`QuantizedExpertStack`: the loader
-     (:func:`~ds_capture.target.loading.fill_from_checkpoint`) puts each owned expert's stored values and
+     (:func:`~ds_capture.target.checkpoint_reads.fill_from_checkpoint`) puts each owned expert's stored values and
      scales into it unchanged (FP8 + scales, FP4 packed + e8m0, INT4 packed + scales), and ``stack[e]``
      dequantizes expert ``e`` when the experts' own forward indexes it, just before its matmul
      (``F.linear(x, self.gate_up_proj[expert_idx])`` in transformers' eager experts).

@@ -4,7 +4,7 @@ In: an output directory, the run's ``Eagle3Manifest`` and CPU tensors. Out, in N
 ``write_target_embeddings`` (fp32 ``weight``), ``write_eagle3_manifest`` (once, before any shard),
 shards (``Eagle3Shards``: rows written in place by the shared ``AsyncShardWriter``),
 then ``write_complete`` (``.ds_capture/complete.json``) after every rank has finished. Every file goes
-through the DSpark writer's ``write_atomic`` / ``save_file`` or its in-place ``ShardFile``, and each shard
+through the common ``write_atomic`` / ``save_file`` or the in-place ``ShardFile``, and each shard
 gets the same tagged checksum sidecar under ``.ds_capture/checksums/`` right after its rename.
 
 ``check_eagle3_output_dir`` (read-only) refuses a foreign directory, a DSpark cache, or a manifest of
