@@ -329,3 +329,9 @@ def test_read_tensors_refuses_what_safetensors_refuses(tmp_path):
     path.write_bytes(data[:5])
     with pytest.raises(ValueError, match="5 bytes, shorter than the 8-byte length prefix"):
         read_tensors(path)
+    # file_digest reads the header through the same reader and names the file.
+    with pytest.raises(ValueError, match=rf"^{path}: 5 bytes, shorter than the 8-byte length prefix$"):
+        file_digest(path)
+    path.write_bytes(data[:8] + b"{}")
+    with pytest.raises(ValueError, match=rf"^{path}: header length \d+ exceeds the file size 10$"):
+        file_digest(path)

@@ -31,6 +31,7 @@ import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import xxhash
@@ -220,14 +221,10 @@ def file_digest(path: Path) -> str:
     ValueError if the file is not a readable safetensors layout (a damaged header).
     """
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > size:
-            raise ValueError(f"{path}: header length {length} exceeds the file size {size}")
-        text = f.read(length)
+        try:
+            size, head, text = _read_header_bytes(f)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         layout = _layout_from_header(text, path)
         if layout.header != head + text:
             raise ValueError(f"{path}: header is not laid out as safetensors writes it")
@@ -257,15 +254,10 @@ def read_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, 
     which ends where the file ends); OSError as the read raises it.
     """
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{len(head)} bytes, shorter than the 8-byte length prefix")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise ValueError(f"header length {length} exceeds the file size {size}")
+        size, _, text = _read_header_bytes(f)
+        length = len(text)
         try:
-            entries = json.loads(f.read(length))
+            entries = json.loads(text)
             spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name, _DTYPE_BY_NAME[e["dtype"]],
                             tuple(int(n) for n in e["shape"]))
                            for name, e in entries.items() if name != "__metadata__")
@@ -293,6 +285,19 @@ def read_tensors(path: Path, names: Collection[str] | None = None) -> dict[str, 
                 buffer = buffer[done:]
             tensors[name] = tensor
     return tensors
+
+
+def _read_header_bytes(f: BinaryIO) -> tuple[int, bytes, bytes]:
+    """``(file size, the 8-byte length prefix, the JSON header)`` of an open safetensors file, read from its start;
+    ValueError where the prefix is cut short or names a header longer than the file."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError(f"{len(head)} bytes, shorter than the 8-byte length prefix")
+    (length,) = struct.unpack("<Q", head)
+    if length > size - 8:
+        raise ValueError(f"header length {length} exceeds the file size {size}")
+    return size, head, f.read(length)
 
 
 def _layout_from_header(text: bytes, path: Path) -> SafetensorsLayout:
