@@ -131,11 +131,11 @@ def _run_capture(cfg: RunConfig, env, stop: StopOnSignal, *, restart: bool, veri
     session = plan_session(cfg, env)
     with distributed_target(cfg, env, session.plan):
         return _run(cfg, session.target, session.layer_ids, session.plan, stop, restart=restart,
-                    verify_checksums=verify_checksums, show_progress=show_progress)
+                    verify_checksums=verify_checksums, show_progress=show_progress, chunk_tokens=session.chunk_tokens)
 
 
 def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, stop: StopOnSignal, *,
-         restart: bool, verify_checksums: bool, show_progress: bool) -> RunSummary:
+         restart: bool, verify_checksums: bool, show_progress: bool, chunk_tokens: int | None) -> RunSummary:
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
@@ -176,7 +176,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
                 error = caught
             agree_on_error(error)
             return _capture(kind, cfg, target, layer_ids, plan, prepared, loading, stop, started=started,
-                            show_progress=show_progress)
+                            show_progress=show_progress, chunk_tokens=chunk_tokens)
     finally:
         if lock is not None:
             lock.release()
@@ -188,7 +188,7 @@ def _build_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, group
 
 def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout,
              prepared: "_Prepared", loading: Future | None, stop: StopOnSignal, *, started: float,
-             show_progress: bool) -> RunSummary:
+             show_progress: bool, chunk_tokens: int | None) -> RunSummary:
     args = cfg.recipe_args
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
@@ -221,8 +221,8 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     writer = kind.open_writer(out_dir, manifest, micro_batch_size=args.micro_batch_size,
                               buffer_mib=options.writer_buffer_mib, device=device)
     vote, stopped_at = StopVote(stop), None  # StopVote: collective (a side group), every rank
-    with _output_errors(out_dir), writer, target_forward(model, target, layer_ids,
-                                                         pre_norm_last=kind.pre_norm_last) as forward:
+    with _output_errors(out_dir), writer, target_forward(model, target, layer_ids, pre_norm_last=kind.pre_norm_last,
+                                                         chunk_tokens=chunk_tokens) as forward:
         for step in range(num_steps):
             # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
             # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.
@@ -236,7 +236,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                       (batch.model_inputs() if batch is not None else filler).items()}
             # Only the last position's logits: EAGLE-3 computes its distribution in chunks from the final
             # hidden state, checked against these last logits.
-            output = forward.forward(inputs)
+            output = forward.forward(inputs, num_forwards=_agreed_forwards(forward, inputs, plan))
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
@@ -394,6 +394,14 @@ class PlannedBatch:
         without it attention takes its causal kernel (SDPA on CPU: ~20% less forward time at seq 1024).
         Padding positions' states are computed but never written."""
         return {"input_ids": self.input_ids[:, :self.length]}
+
+
+def _agreed_forwards(forward, inputs: dict[str, torch.Tensor], plan: ParallelLayout) -> int | None:
+    """Under chunked prefill, the most model forwards any rank's micro-batch takes this step (collective, every rank;
+    no collective for whole rows, where every micro-batch is one forward)."""
+    if forward.chunk_tokens is None or plan.world_size == 1:
+        return None
+    return all_reduce_max_int(forward.forwards_for(inputs["input_ids"].shape[1]))
 
 
 def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_length: int, options) -> list[PlannedBatch]:

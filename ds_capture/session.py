@@ -19,6 +19,7 @@ share one engine core.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ import torch
 from ds_capture.cache.common.names import DTYPES
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
+from ds_capture.capture.chunked import forward_in_chunks, resolve_chunk_tokens
 from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
@@ -51,6 +53,8 @@ class SessionPlan:
     target: TargetInfo
     layer_ids: list[int]
     plan: ParallelLayout
+    chunk_tokens: int | None = None
+    """``capture.chunked_prefill`` resolved: rows are forwarded in chunks of this many tokens (``None``: whole)."""
 
 
 def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
@@ -73,10 +77,12 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
     plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
                       num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                       num_key_value_heads=target.tp_key_value_heads)
+    chunk_tokens = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length,
+                                        source=cfg.source)
     # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
     refuse_if_not_fitting(cfg, world_size=env.world_size,
                           compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
-    return SessionPlan(target=target, layer_ids=layer_ids, plan=plan)
+    return SessionPlan(target=target, layer_ids=layer_ids, plan=plan, chunk_tokens=chunk_tokens)
 
 
 @contextmanager
@@ -119,30 +125,45 @@ class TargetForward:
     ``hooks`` holds the captures of the last :meth:`forward` (:meth:`LayerCapture.collect`); the model is asked
     for the last position's logits only (``[B, S, vocab]`` would dwarf the hidden states)."""
 
-    def __init__(self, model: torch.nn.Module, target: TargetInfo, hooks: LayerCapture) -> None:
+    def __init__(self, model: torch.nn.Module, target: TargetInfo, hooks: LayerCapture, *,
+                 chunk_tokens: int | None = None) -> None:
         self.model = model
         self.hooks = hooks
+        self.chunk_tokens = chunk_tokens
         # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
         self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
                                                                                     "logits_to_keep": 1}
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
+    def forwards_for(self, length: int) -> int:
+        """The model forwards a micro-batch of ``length`` tokens takes: its chunks, or 1 for a whole row."""
+        return 1 if self.chunk_tokens is None else max(1, math.ceil(length / self.chunk_tokens))
+
+    def forward(self, inputs: dict[str, torch.Tensor], *, num_forwards: int | None = None) -> Any:
         """The model's output for ``inputs`` (already on the model's device); the hooks hold its captures.
 
-        Collective for sharded engines: every rank must call it the same number of times."""
+        Collective for sharded engines: every rank must run the same number of model forwards. Under chunked
+        prefill rows of other lengths take other numbers of chunks, so the drivers agree on ``num_forwards`` (the
+        most any rank needs) and a rank that needs fewer first forwards one-row fillers whose output is discarded."""
+        input_ids = inputs["input_ids"]
+        for _ in range((num_forwards or 1) - self.forwards_for(input_ids.shape[1])):
+            self.model(input_ids=torch.zeros(1, 8, dtype=input_ids.dtype, device=input_ids.device),
+                       **self.forward_kwargs)
         self.hooks.reset()
+        if self.forwards_for(input_ids.shape[1]) > 1:
+            return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs)
         return self.model(**inputs, **self.forward_kwargs)
 
 
 @contextmanager
 def target_forward(model: torch.nn.Module, target: TargetInfo, layer_ids: list[int], *,
-                   pre_norm_last: bool) -> Iterator[TargetForward]:
-    """Hooks registered for ``layer_ids`` (removed on exit, errors included) under ``torch.no_grad``.
+                   pre_norm_last: bool, chunk_tokens: int | None = None) -> Iterator[TargetForward]:
+    """Hooks registered for ``layer_ids`` (removed on exit, errors included) under ``torch.no_grad``; rows longer
+    than ``chunk_tokens`` are forwarded in chunks (:mod:`ds_capture.capture.chunked`).
 
     ``no_grad``, not ``inference_mode``: gloo collectives fail inside inference mode (DESIGN §6)."""
     with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers,
                                                 pre_norm_last=pre_norm_last) as hooks:
-        yield TargetForward(model, target, hooks)
+        yield TargetForward(model, target, hooks, chunk_tokens=chunk_tokens)
 
 
 # What gloo / NCCL say when a peer process died under a collective.

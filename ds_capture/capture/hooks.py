@@ -66,6 +66,11 @@ def _first_tensor(output) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _along_sequence(chunks: list[torch.Tensor]) -> torch.Tensor:
+    # A whole row's one tensor as it is (no copy); a chunked row's pieces joined along the sequence ([B, S, ...]).
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+
+
 class LayerCapture:
     """Holds what the hooks saw during the current forward; ``collect`` assembles the features."""
 
@@ -74,30 +79,32 @@ class LayerCapture:
         self.num_layers = num_layers
         self.post_norm_id = None if pre_norm_last or family.feature_module else num_layers - 1
         self.family = family
-        self._seen: dict[int, torch.Tensor] = {}
-        self._last: torch.Tensor | None = None
+        # Per layer id, what each forward of the current micro-batch saw: one tensor for a whole row, one per chunk
+        # in order under chunked prefill (concatenated along the sequence by collect).
+        self._seen: dict[int, list[torch.Tensor]] = {}
+        self._last: list[torch.Tensor] = []
 
     def reset(self) -> None:
         self._seen.clear()
-        self._last = None
+        self._last = []
 
     def _record(self, layer_id: int, hidden: torch.Tensor) -> None:
-        self._seen[layer_id] = hidden.detach()
+        self._seen.setdefault(layer_id, []).append(hidden.detach())
 
     def _record_last(self, hidden: torch.Tensor) -> None:
-        self._last = hidden.detach()
+        self._last.append(hidden.detach())
 
     def collect(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(target_hidden_states [B, S, H*k], target_last_hidden_states [B, S, H])`` in ``dtype``."""
         missing = [i for i in self.layer_ids if i not in self._seen and i != self.post_norm_id]
-        if missing or self._last is None:
-            never = missing + ([] if self._last is not None else [self.num_layers - 1])
+        if missing or not self._last:
+            never = missing + ([] if self._last else [self.num_layers - 1])
             raise RuntimeError(
                 f"layer ids {never} never fired during the forward pass: the family entry for "
                 f"{self.family.model_type!r} does not match the model's module layout"
             )
-        last = self._last
-        features = [last if i == self.post_norm_id else self._seen[i] for i in self.layer_ids]
+        last = _along_sequence(self._last)
+        features = [last if i == self.post_norm_id else _along_sequence(self._seen[i]) for i in self.layer_ids]
         hidden = torch.cat([f.to(dtype) for f in features], dim=-1)
         return hidden, last.to(dtype)
 

@@ -131,6 +131,14 @@ class Family:
     the computed width, so ``capture.pad_to_multiple_of`` does not apply."""
     width_reason: str = ""
     """Why ``full_width`` (shown when length bucketing is configured)."""
+    chunk_multiple: int = 1
+    """``capture.chunked_prefill``: a chunk must hold a multiple of this many tokens. Gated DeltaNet / KDA layers
+    compute in blocks of 64 tokens, and a chunk that splits a block sums the recurrence in another order (Qwen3-Next
+    at chunk 300 of 2,048: 2.3e-4 of the row maximum off the whole row; at 320: 6.5e-6)."""
+    chunk_refusal: str = ""
+    """Non-empty: the family's forward carries no state from one chunk to the next yet, so ``chunked_prefill`` with
+    a chunk shorter than the row is refused (the reason); ``auto`` forwards whole rows."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def text_config(self, config: Any) -> Any:

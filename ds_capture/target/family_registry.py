@@ -32,6 +32,13 @@ _DENSE_ONLY = (
     "Keep ep_size 1 (use tp_size or data parallelism)."
 )
 
+# Gated DeltaNet and KDA compute in blocks of 64 tokens (Family.chunk_multiple).
+_LINEAR_ATTENTION_BLOCK = 64
+_NEMO_NO_CHUNKS = (
+    "model_type {model_type!r} is built by NeMo AutoModel's {cls}, whose forward takes no cache, so nothing carries "
+    "its {state} from one chunk to the next yet: it would compute every chunk as if the row began there. Set "
+    "capture.chunked_prefill: off (or auto, which forwards whole rows for this family)."
+)
 _NEMO_NO_TP = (
     "model_type {model_type!r} is built by NeMo AutoModel's {cls}, which declares no tensor-parallel plan "
     "(ModelCapabilities.supports_tp is False) and whose attention ({what}) DeepSpeed AutoTP cannot shard "
@@ -156,10 +163,12 @@ FAMILIES: dict[str, Family] = {
             supports_tp=False,
             tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
                                                    model_type="qwen3_5_moe", instead=_USE_EP),
+            chunk_multiple=_LINEAR_ATTENTION_BLOCK,
         ),
         # Qwen3-Next: Gated DeltaNet linear attention on 3 of 4 layers.
         Family(
             model_type="qwen3_next", moe_block="mlp", num_experts_key="num_experts",
+            chunk_multiple=_LINEAR_ATTENTION_BLOCK,
             supports_tp=False,
             tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
                                                    model_type="qwen3_next", instead=_USE_EP),
@@ -178,6 +187,7 @@ FAMILIES: dict[str, Family] = {
         # Kimi-Linear: KDA linear attention (short convolutions over the projected channels) and MLA.
         Family(
             model_type="kimi_linear", moe_block="mlp", num_experts_key="num_local_experts",
+            chunk_multiple=_LINEAR_ATTENTION_BLOCK,
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
                                                 model_type="kimi_linear", instead=_USE_EP),
@@ -199,6 +209,7 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="model.language_model.embed_tokens.weight",
             moe_block="mlp", num_experts_key="n_routed_experts", reduce_layer_output=mean_over_hyper_connections,
             caveat=_DSA_TIES.format(two="6.0", sixteen="1e-5"),
+            chunk_multiple=_LINEAR_ATTENTION_BLOCK,
             supports_tp=False,
             tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
                                                 model_type="glm5_next", instead=_USE_EP),
@@ -236,6 +247,8 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",
             num_experts_key="n_routed_experts", residual_streams_key="hc_mult",
             feature_module="attn_hc", reduce_layer_output=mean_over_hyper_connections,
+            chunk_refusal=_NEMO_NO_CHUNKS.format(model_type="deepseek_v41", cls="DeepseekV41ForCausalLM",
+                                                 state="compressed KV, window tail, index keys and Engram n-gram context"),
             eagle3_refusal=_V41_EAGLE3, full_width=True, width_reason=_V41_WIDTH, attention_bias=attention_sizes.v41_dense_attention_bias, attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
             supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="deepseek_v41", cls="DeepseekV41ForCausalLM",
                                                             what="one shared KV head, grouped low-rank output, "
@@ -251,6 +264,8 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="language_model.model.embed_tokens.weight",
             lm_head_weight_key="language_model.lm_head.weight", moe_block="mlp", num_experts_key="num_experts",
             attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
+            chunk_refusal=_NEMO_NO_CHUNKS.format(model_type="kimi_k3", cls="KimiK3ForCausalLM",
+                                                 state="KDA recurrent and convolution state, MLA latent KV"),
             supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="kimi_k3", cls="KimiK3ForCausalLM",
                                                             what="KDA short convolutions and gates, MLA"),
         ),

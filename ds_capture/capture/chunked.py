@@ -1,0 +1,77 @@
+"""Chunked prefill: one micro-batch forwarded in chunks of C tokens, in order, each layer carrying its state.
+
+In: ``capture.chunked_prefill`` (``auto`` | ``off`` | tokens), the target's :class:`Family`, the recipe's
+``seq_length`` and, for ``auto``, the chunk ``ds-capture plan`` chose. Out: :func:`resolve_chunk_tokens`, the chunk
+a run forwards with (``None``: whole rows), refused before anything loads where the family cannot take it; and
+:func:`forward_in_chunks`, the forward of one micro-batch chunk by chunk.
+
+What each chunk needs from the ones before is the state of every layer kind, and Hugging Face's cache layers are
+exactly those carriers, chosen per layer from the model's own config (``layer_types``): the prefix's keys and
+values for full attention; the window's tail for sliding-window layers (Gemma 4, gpt-oss with its sinks) and
+Llama 4's chunked local attention; the index keys of DSA indexers (GLM-5, DeepSeek-V3.2), whose top-k per query
+is then taken over its whole causal prefix; DeepSeek-V4's compressor buffers; the recurrent and convolution
+state of Gated DeltaNet and KDA layers (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, GLM-5-Next). The family declares
+as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks) and which
+families carry nothing yet (:attr:`Family.chunk_refusal`: NeMo's classes take no cache).
+
+Every captured tensor equals the whole row's up to float summation order (fp32: within 1e-5 of the row maximum on
+every family's tiny target, ``tests/unit/test_chunked_prefill.py``); activations are those of one chunk against
+its prefix, so memory grows with the row only through the carried state and the captured output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_capture.errors import CaptureError
+from ds_capture.target.families import Family
+
+
+def resolve_chunk_tokens(setting: int | str, family: Family, seq_length: int, *, source: str,
+                         planned: int | None = None) -> int | None:
+    """The chunk a run forwards rows with, or ``None`` for whole rows; a chunk the family cannot take is refused.
+
+    ``planned``: ``auto``'s chunk, ``ds-capture plan``'s choice (``None``: whole rows fit, or no budget is known).
+    A chunk as long as the row is the whole row (one forward, as ``off``)."""
+    if setting == "off":
+        return None
+    chunk = planned if setting == "auto" else int(setting)
+    if chunk is None or chunk >= seq_length:
+        return None
+    where = f"{source}: `capture.chunked_prefill` {setting!r}" + (f" (plan's chunk {chunk})" if setting == "auto" else "")
+    if family.chunk_refusal:
+        raise CaptureError(f"{where}: {family.chunk_refusal}")
+    multiple = family.chunk_multiple
+    if chunk % multiple:
+        lower, upper = chunk // multiple * multiple, (chunk // multiple + 1) * multiple
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        raise CaptureError(
+            f"{where}: model_type {family.model_type!r} takes chunks that are a multiple of {multiple} tokens (its "
+            f"linear-attention layers compute in blocks of {multiple}, and a chunk that splits a block changes the "
+            f"captured states). Use {nearest}, or off."
+        )
+    return chunk
+
+
+def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
+                      forward_kwargs: dict[str, Any]) -> Any:
+    """The last chunk's output of ``model`` over ``inputs`` forwarded ``chunk_tokens`` at a time, in order.
+
+    Forward hooks fire once per chunk, in order (the capture concatenates what they saw). The cache the model
+    builds on the first chunk carries each layer's state to the next and is dropped with the row: the output
+    keeps none of it. ``attention_mask`` (a client's, serve) covers the prefix and the chunk, as a cache expects.
+    Collective for sharded engines: every rank forwards the same chunks (rows are padded to one length)."""
+    input_ids = inputs["input_ids"]
+    kwargs = {**forward_kwargs, "use_cache": True}
+    cache, output = None, None
+    for start in range(0, input_ids.shape[1], chunk_tokens):
+        end = start + chunk_tokens
+        chunk = {"input_ids": input_ids[:, start:end]}
+        if "attention_mask" in inputs:
+            chunk["attention_mask"] = inputs["attention_mask"][:, :end]
+        output = model(**chunk, cache=cache, **kwargs)  # (transformers 5.24 renamed past_key_values to cache)
+        cache = output.cache
+    output.cache = None  # the carried state goes with the row
+    return output

@@ -1,0 +1,171 @@
+"""Chunked prefill (``capture.chunked_prefill``): a row forwarded in chunks is captured as the whole row is.
+
+Per family of the support table that transformers builds, a tiny random-init target (``test_families``' builder:
+sharded release layout, DeepSeek-V4's hash routes randomised) captures rows of 2,043 to 2,048 tokens (S = 2,048,
+several demo conversations joined) three times through ``run_capture``: whole rows (``off``), chunks of 256, and a
+chunk that does not divide S (300; 320 where the family computes in 64-token blocks). Against the whole-row cache:
+``input_ids`` and ``loss_mask`` byte for byte, every captured state (fp32) within 1e-5 of its row's maximum.
+DSA families (GLM-5, DeepSeek-V3.2) also compare each indexer's top-k set per query, whole row vs chunked.
+Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
+less, Qwen3 0.0 at 256.
+
+The refusals (before anything loads): a NeMo-built family with a chunk shorter than the row; a chunk that splits
+a linear-attention family's 64-token blocks; a setting that is neither auto, off nor a positive count.
+CI runs a representative cut (Gated DeltaNet, sliding windows with GQA); every other family with ``--full``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from ds_capture.capture.chunked import resolve_chunk_tokens
+from ds_capture.demo import demo_data_path
+from ds_capture.errors import CaptureError
+from ds_capture.recipe.config import load_config
+from ds_capture.runner import run_capture
+from ds_capture.target.families import get_family
+from tests.unit.test_families import family_target_builder
+
+SEQ_LENGTH = 2048
+LAYER_IDS = [-1, 0, 1, 2, 3]
+# model_type -> the chunk that does not divide S (the family's chunk_multiple allowing).
+FAMILIES = {"qwen3": 300, "qwen3_moe": 300, "mixtral": 300, "deepseek_v3": 300, "deepseek_v4": 300,
+            "glm_moe_dsa": 300, "gemma4": 300, "kimi_k25": 300, "glm4_moe": 300, "qwen3_5_moe": 320,
+            "qwen3_next": 320, "deepseek_v32": 300, "minimax_m2": 300, "kimi_linear": 320, "gpt_oss": 300,
+            "glm5_next": 320, "llama4": 300}
+CI_CUT = {"qwen3_next", "gemma4"}
+DSA_FAMILIES = {"glm_moe_dsa", "deepseek_v32"}
+
+
+def long_rows(path: Path, num_rows: int, conversations_per_row: int = 60) -> Path:
+    """``num_rows`` chat rows, each the user / assistant turns of ``conversations_per_row`` demo conversations."""
+    rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
+    with path.open("w") as out:
+        for i in range(num_rows):
+            turns = [m for row in rows[i * conversations_per_row:(i + 1) * conversations_per_row]
+                     for m in row["messages"] if m["role"] in ("user", "assistant")]
+            out.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def family_target(tmp_path_factory):
+    return family_target_builder(tmp_path_factory.mktemp("chunked_targets"))
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory) -> Path:
+    return long_rows(tmp_path_factory.mktemp("chunked_data") / "long.jsonl", 2)
+
+
+def capture(target: Path, data: Path, out: Path, chunked_prefill, **capture_options) -> dict[str, torch.Tensor]:
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(data),
+                            cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=2, cache_shard_size=2,
+                            cache_dtype="fp32", target_layer_ids=LAYER_IDS),
+        "capture": {"chunked_prefill": chunked_prefill, **capture_options}}))
+    run_capture(load_config(recipe), show_progress=False)
+    return load_file(out / "shard-000000.safetensors")
+
+
+def worst_row_difference(ours: dict[str, torch.Tensor], whole: dict[str, torch.Tensor]) -> float:
+    """The largest |chunked - whole| over every state tensor and row, relative to that row's maximum."""
+    worst = 0.0
+    for key in ("target_hidden_states", "target_last_hidden_states"):
+        for a, b in zip(ours[key], whole[key]):
+            worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item())
+    return worst
+
+
+def _indexer_topk(target: Path, model_type: str, input_ids: torch.Tensor, chunk: int | None) -> list[torch.Tensor]:
+    """Every DSA indexer's top-k sets ([S, k], sorted per query) over ``input_ids``, whole row or chunked."""
+    from ds_capture.capture.chunked import forward_in_chunks
+    from tests.unit.test_families import reference_model
+
+    model = reference_model(target, model_type)
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [module.register_forward_hook(lambda _m, _a, out, name=name: seen.setdefault(name, []).append(out))
+               for name, module in model.named_modules() if name.endswith("self_attn.indexer")]
+    assert handles, f"{model_type}: no self_attn.indexer module"
+    kwargs = {"use_cache": False, "logits_to_keep": 1}
+    with torch.no_grad():
+        if chunk is None:
+            model(input_ids=input_ids[None], **kwargs)
+        else:
+            forward_in_chunks(model, {"input_ids": input_ids[None]}, chunk, kwargs)
+    for handle in handles:
+        handle.remove()
+    return [torch.cat(outs, dim=1)[0].sort(dim=-1).values for outs in seen.values()]
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m in CI_CUT else pytest.mark.slow)
+                                        for m in FAMILIES])
+def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_path, model_type):
+    target = family_target(model_type)
+    whole = capture(target, long_data, tmp_path / "whole", "off")
+    assert (whole["input_ids"] != whole["input_ids"][0, -1]).sum(dim=1).min() > SEQ_LENGTH - 16, "rows fill S"
+    for chunk in (256, FAMILIES[model_type]):
+        ours = capture(target, long_data, tmp_path / f"chunk{chunk}", chunk)
+        assert torch.equal(ours["input_ids"], whole["input_ids"]) and torch.equal(ours["loss_mask"],
+                                                                                  whole["loss_mask"])
+        worst = worst_row_difference(ours, whole)
+        assert worst <= 1e-5, (model_type, chunk, worst)
+    if model_type in DSA_FAMILIES:
+        ids = whole["input_ids"][0]
+        for a, b in zip(_indexer_topk(target, model_type, ids, None), _indexer_topk(target, model_type, ids, 300)):
+            assert torch.equal(a, b), f"{model_type}: an indexer's top-k set differs between whole row and chunks"
+
+
+def test_chunk_as_long_as_the_row_is_the_whole_row_and_off_is_unchanged(family_target, long_data, tmp_path):
+    """``chunked_prefill`` >= S forwards whole rows (the same bytes as off); so does auto without a GPU budget."""
+    target = family_target("qwen3_next")
+    whole = capture(target, long_data, tmp_path / "off", "off")
+    for setting in (SEQ_LENGTH, "auto"):
+        ours = capture(target, long_data, tmp_path / f"s{setting}", setting)
+        for key in whole:
+            assert torch.equal(ours[key], whole[key]), (setting, key)
+
+
+def test_nemo_families_refuse_a_chunk_before_loading():
+    family = get_family("kimi_k3")
+    with pytest.raises(CaptureError) as caught:
+        resolve_chunk_tokens(1024, family, 4096, source="r.yaml")
+    assert str(caught.value) == (
+        "r.yaml: `capture.chunked_prefill` 1024: model_type 'kimi_k3' is built by NeMo AutoModel's KimiK3ForCausalLM, "
+        "whose forward takes no cache, so nothing carries its KDA recurrent and convolution state, MLA latent KV from "
+        "one chunk to the next yet: it would compute every chunk as if the row began there. Set "
+        "capture.chunked_prefill: off (or auto, which forwards whole rows for this family).")
+    assert resolve_chunk_tokens("auto", family, 4096, source="r.yaml") is None
+    assert resolve_chunk_tokens(4096, get_family("deepseek_v41"), 4096, source="r.yaml") is None
+
+
+def test_a_chunk_that_splits_linear_attention_blocks_is_refused():
+    with pytest.raises(CaptureError) as caught:
+        resolve_chunk_tokens(300, get_family("qwen3_next"), 2048, source="r.yaml")
+    assert str(caught.value) == (
+        "r.yaml: `capture.chunked_prefill` 300: model_type 'qwen3_next' takes chunks that are a multiple of 64 tokens "
+        "(its linear-attention layers compute in blocks of 64, and a chunk that splits a block changes the captured "
+        "states). Use 256 or 320, or off.")
+    assert resolve_chunk_tokens(320, get_family("qwen3_next"), 2048, source="r.yaml") == 320
+    assert resolve_chunk_tokens(300, get_family("qwen3"), 2048, source="r.yaml") == 300
+
+
+@pytest.mark.parametrize("value, message", [
+    ("sometimes", "must be auto, off or a number of tokens, got 'sometimes'"),
+    (0, "must be >= 1 tokens (or auto / off), got 0"),
+])
+def test_bad_settings_are_refused(write_recipe, value, message):
+    path = write_recipe({"recipe_args": {"target_model_name_or_path": "demo:qwen3_moe_tiny",
+                                         "train_data_path": "demo:conversations", "cache_output_dir": "out",
+                                         "seq_length": 64, "micro_batch_size": 1, "cache_shard_size": 1},
+                         "capture": {"chunked_prefill": value}})
+    with pytest.raises(CaptureError, match="capture.chunked_prefill") as caught:
+        load_config(path)
+    assert message in str(caught.value)
