@@ -124,6 +124,34 @@ def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_
             assert torch.equal(a, b), f"{model_type}: an indexer's top-k set differs between whole row and chunks"
 
 
+def test_eagle3_cache_chunked_equals_whole_rows(family_target, long_data, tmp_path):
+    """The EAGLE-3 kind: aux states, target_probs and masks of a chunked capture equal the whole row's."""
+    from tests.eagle3_support import load_cache
+
+    target = family_target("qwen3")
+    caches = {}
+    for setting in ("off", 320):
+        out = tmp_path / f"eagle3-{setting}"
+        recipe = tmp_path / f"eagle3-{setting}.yaml"
+        recipe.write_text(yaml.safe_dump({
+            "cache_kind": "eagle3",
+            "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(long_data),
+                                cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=2,
+                                cache_shard_size=2, cache_dtype="fp32", draft_vocab_size=256,
+                                aux_layer_ids=[0, 1, 2]),
+            "capture": {"chunked_prefill": setting}}))
+        run_capture(load_config(recipe), show_progress=False)
+        caches[setting] = load_cache(out)
+    whole, ours = caches["off"], caches[320]
+    assert sorted(whole) == sorted(ours)
+    for key, expected in whole.items():
+        if expected.is_floating_point():
+            worst = ((ours[key] - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
+            assert worst <= 1e-5, (key, worst)
+        else:
+            assert torch.equal(ours[key], expected), key
+
+
 def test_chunk_as_long_as_the_row_is_the_whole_row_and_off_is_unchanged(family_target, long_data, tmp_path):
     """``chunked_prefill`` >= S forwards whole rows (the same bytes as off); so does auto without a GPU budget."""
     target = family_target("qwen3_next")
