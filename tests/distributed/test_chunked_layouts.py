@@ -1,0 +1,82 @@
+"""Chunked prefill under sharded layouts: ranks whose rows take different numbers of chunks stay in lockstep.
+
+Data: 4 rows, shards of 2, micro-batch 1: DP rank 0's shard holds two rows of ~2,048 tokens (8 chunks of 256
+each), DP rank 1's two short rows (one forward each), so every step the ranks agree on the most forwards any of
+them needs and the short rank forwards fillers (a rank that skipped one would hang the expert all-to-all or
+FSDP2's gathers). Target: tiny Qwen3-MoE (2 layers), fp32. Each layout's chunked cache (``chunked_prefill: 256``)
+must equal the single process's whole-row cache: ids and masks exactly, states within 1e-5 of the tensor's
+maximum (``support.max_rel_diff``); and it must finish within its timeout.
+CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launchers import ensure_shm_op_built  # noqa: E402
+from support import max_rel_diff  # noqa: E402
+
+from tests.distributed import _kill_helpers as kh  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+LAYOUTS = {  # name -> (engine, distributed section)
+    "ep2": ("deepspeed", {"ep_size": 2}),
+    "fsdp2": ("fsdp2", {}),
+    "tp2": ("deepspeed", {"tp_size": 2}),
+}
+
+
+def _data(path: Path) -> Path:
+    from ds_capture.demo import demo_data_path
+
+    rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
+    long = [{"messages": [m for row in rows[i * 60:(i + 1) * 60] for m in row["messages"]
+                          if m["role"] in ("user", "assistant")]} for i in range(2)]
+    path.write_text("\n".join(json.dumps(row) for row in long + rows[200:202]) + "\n")
+    return path
+
+
+def _recipe(path: Path, target: Path, data: Path, out: Path, chunked_prefill, engine: str = "deepspeed",
+            distributed: dict | None = None) -> Path:
+    path.write_text(yaml.safe_dump({
+        "engine": engine,
+        "recipe_args": {"target_model_name_or_path": str(target), "train_data_path": str(data),
+                        "cache_output_dir": str(out), "seq_length": 2048, "micro_batch_size": 1,
+                        "cache_shard_size": 2, "cache_dtype": "fp32"},
+        "capture": {"chunked_prefill": chunked_prefill},
+        "distributed": distributed or {},
+        "dist_env": {"timeout_minutes": 2},
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def whole_row_cache(tiny_target, tmp_path_factory) -> tuple[Path, Path, Path]:
+    from ds_capture.recipe.config import load_config
+    from ds_capture.runner import run_capture
+
+    ensure_shm_op_built()
+    root = tmp_path_factory.mktemp("chunked_layouts")
+    target, data = tiny_target("qwen3_moe", num_hidden_layers=2), _data(root / "rows.jsonl")
+    run_capture(load_config(str(_recipe(root / "single.yaml", target, data, root / "single", "off"))),
+                show_progress=False)
+    return target, data, root / "single"
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "ep2" else pytest.mark.slow)
+                                    for name in LAYOUTS])
+def test_chunked_cache_on_two_ranks_equals_the_whole_row_single_process(whole_row_cache, tmp_path, layout):
+    target, data, single = whole_row_cache
+    engine, distributed = LAYOUTS[layout]
+    out = tmp_path / "cache"
+    result = kh.run_cli_forked(2, _recipe(tmp_path / "r.yaml", target, data, out, 256, engine, distributed),
+                               timeout_s=240)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    assert max_rel_diff(single, out) <= 1e-5
