@@ -225,9 +225,8 @@ class CaptureOptions:
     """How a row is forwarded: ``off`` (whole, as one forward), ``<tokens>`` (in chunks of that many tokens, in
     order, each layer carrying from the chunks before exactly the state its kind needs, so every captured tensor is
     the whole row's within float summation order; activations are bounded by the chunk, not the row), or ``auto``
-    (whole rows when ``ds-capture plan`` says they fit the GPU budget, else the largest chunk that fits; whole rows
-    where no budget is known). A chunk the family cannot take is refused before anything loads. Recorded with the
-    cache: a rerun with another resolved chunk over the same directory is refused unless ``--restart``."""
+    (whole rows: ``ds-capture plan`` does not choose a chunk yet). A chunk as long as the row is the whole row. A
+    chunk the family cannot take is refused before anything loads (docs/long_rows.md)."""
 
     def __post_init__(self) -> None:
         if self.expert_storage not in ("dequantized", "checkpoint"):
