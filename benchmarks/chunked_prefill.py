@@ -1,0 +1,136 @@
+"""Chunked prefill: time and peak memory of long rows forwarded whole vs in chunks, side by side in one run.
+
+In: tiny targets of real architectures (``ds_capture.demo.build_tiny_target`` through the test suite's family
+builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa)), one row per length made of the bundled demo
+conversations joined (cycled) until it fills S. Out: one JSON object on stdout:
+
+- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows and for chunks of
+  S/4, each the median of ``--repeats`` runs interleaved, and ``ratio`` = chunked / whole (goal <= 1.15);
+- ``memory``: per target and S in ``--seqs``, the peak RSS of a fresh process capturing one row with chunks of
+  ``--chunk`` (and whole rows where ``--whole-max`` allows), over the same process's RSS right after the model
+  loaded: the growth with S is the carried state and the captured output, not the activations.
+
+Each measurement is its own process (``--one``), so peaks do not leak between them. One intra-op thread.
+
+    . .venv/bin/activate
+    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Runs from a checkout without `pip install -e .`: the repository root holds the package.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGETS = ("qwen3_moe", "glm_moe_dsa")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def one(spec: dict) -> dict:
+    """One capture of one row in this process: loop seconds, RSS after load, peak RSS."""
+    import torch
+    import yaml
+
+    torch.set_num_threads(1)
+    from ds_capture.demo import demo_data_path
+    from ds_capture.recipe.config import load_config
+    from ds_capture.runner import run_capture
+    from tests.unit.test_families import family_target_builder
+
+    work = Path(spec["work"])
+    target = family_target_builder(work / "targets")(spec["model_type"])
+    rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
+    turns = [m for row in rows for m in row["messages"] if m["role"] in ("user", "assistant")]
+    per_turn = 12  # demo turns average ~30 tokens: cycle until the row surely fills S
+    needed = spec["seq"] // per_turn
+    data = Path(tempfile.mkdtemp(dir=work)) / "row.jsonl"
+    data.write_text(json.dumps({"messages": [turns[i % len(turns)] for i in range(needed - needed % 2)]}) + "\n")
+    out = data.parent / "cache"
+    recipe = data.parent / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(data), cache_output_dir=str(out),
+                            seq_length=spec["seq"], micro_batch_size=1, cache_shard_size=1, cache_dtype="fp32"),
+        "capture": {"chunked_prefill": spec["chunk"], "writer_buffer_mib": 0}}))
+    cfg = load_config(recipe)
+    import ds_capture.runner as runner
+
+    loaded: dict = {}
+    build = runner._build_model
+
+    def build_and_measure(*args, **kwargs):
+        model = build(*args, **kwargs)
+        loaded["rss_mb"] = _rss_mb()
+        return model
+
+    runner._build_model = build_and_measure
+    summary = run_capture(cfg, show_progress=False)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
+            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1)}
+
+
+def measure(spec: dict) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=3600)
+    if result.returncode:
+        return {"error": result.stderr.strip().splitlines()[-1][:300]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--whole-max", type=int, default=8192, help="largest S also captured as whole rows")
+    parser.add_argument("--speed-seq", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one))))
+        return
+    work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
+    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed": {}, "memory": {}}
+    for model_type in args.targets:
+        runs: dict[str, list[float]] = {"whole": [], "chunked": []}
+        for _ in range(args.repeats):  # interleaved, so load on the box hits both alike
+            for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4)):
+                got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk})
+                runs[name].append(got.get("seconds", float("nan")))
+        whole, chunked = statistics.median(runs["whole"]), statistics.median(runs["chunked"])
+        report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"],
+                                       "median_whole_s": whole, "median_chunked_s": chunked,
+                                       "ratio": round(chunked / whole, 3)}
+        rows = []
+        for seq in args.seqs:
+            row = {"seq": seq, "chunked": measure({"work": str(work), "model_type": model_type, "seq": seq,
+                                                   "chunk": args.chunk})}
+            if seq <= args.whole_max:
+                row["whole"] = measure({"work": str(work), "model_type": model_type, "seq": seq, "chunk": "off"})
+            rows.append(row)
+            print(json.dumps({model_type: row}), file=sys.stderr, flush=True)
+        report["memory"][model_type] = rows
+    report["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
