@@ -236,7 +236,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                       (batch.model_inputs() if batch is not None else filler).items()}
             # Only the last position's logits: EAGLE-3 computes its distribution in chunks from the final
             # hidden state, checked against these last logits.
-            output = forward.forward(inputs, num_forwards=_agreed_forwards(forward, inputs, plan))
+            output = forward.forward(inputs, num_forwards=forward.agreed_forwards(inputs, plan.world_size))
             if batch is None:
                 progress.step(step, 0, 0, writer=writer)
                 continue
@@ -394,14 +394,6 @@ class PlannedBatch:
         without it attention takes its causal kernel (SDPA on CPU: ~20% less forward time at seq 1024).
         Padding positions' states are computed but never written."""
         return {"input_ids": self.input_ids[:, :self.length]}
-
-
-def _agreed_forwards(forward, inputs: dict[str, torch.Tensor], plan: ParallelLayout) -> int | None:
-    """Under chunked prefill, the most model forwards any rank's micro-batch takes this step (collective, every rank;
-    no collective for whole rows, where every micro-batch is one forward)."""
-    if forward.chunk_tokens is None or plan.world_size == 1:
-        return None
-    return all_reduce_max_int(forward.forwards_for(inputs["input_ids"].shape[1]))
 
 
 def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_length: int, options) -> list[PlannedBatch]:

@@ -34,7 +34,7 @@ from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.dist import DistEnv, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout, build_layout, check_family_layout, resolve_degrees
 from ds_capture.parallel.resident_experts import refuse_resident_experts
@@ -137,6 +137,13 @@ class TargetForward:
     def forwards_for(self, length: int) -> int:
         """The model forwards a micro-batch of ``length`` tokens takes: its chunks, or 1 for a whole row."""
         return 1 if self.chunk_tokens is None else max(1, math.ceil(length / self.chunk_tokens))
+
+    def agreed_forwards(self, inputs: dict[str, torch.Tensor], world_size: int) -> int | None:
+        """Under chunked prefill, the most model forwards any rank's micro-batch takes this step (collective, every
+        rank); ``None`` without one (whole rows: every micro-batch is one forward, or a world of one)."""
+        if self.chunk_tokens is None or world_size == 1:
+            return None
+        return all_reduce_max_int(self.forwards_for(inputs["input_ids"].shape[1]))
 
     def forward(self, inputs: dict[str, torch.Tensor], *, num_forwards: int | None = None) -> Any:
         """The model's output for ``inputs`` (already on the model's device); the hooks hold its captures.
