@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ds_capture.cache.common.files import describe_numerics, read_numerics
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, SHARD_RE, shard_name
 from ds_capture.cache.common.verify import (
     NEW_CACHE,
@@ -78,10 +79,10 @@ def _shard_indices(cache_dir: Path) -> set[int]:
 
 
 def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False):
-    from ds_capture.cache.common.verify import VerifyReport, list_names, recorded_run_command, verify_checksum
+    from ds_capture.cache.common.verify import list_names, new_report, verify_checksum
 
     cache_dir = Path(cache_dir)
-    report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
+    report = new_report(cache_dir, checksums=checksums)
     try:
         manifest = read_eagle3(cache_dir)
     except (CaptureError, OSError, UnicodeDecodeError) as err:
@@ -203,6 +204,7 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
         "target_probs": f"top-{manifest.target_probs_topk}" if manifest.compressed else "full",
         "bytes_on_disk": sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file()),
         "identity": identity, "bookkeeping": read_bookkeeping(cache_dir, RUN_RECORD_NAME) or {},
+        "numerics": read_numerics(cache_dir),
     }
 
 
@@ -220,6 +222,7 @@ def format_eagle3_inspect(info: dict[str, Any]) -> str:
         f"aux layers   {info['layers']} ({info['dtype']})",
         f"target_probs {info['target_probs']} over a draft vocabulary of {info['draft_vocab_size']}",
         f"on disk      {human_bytes(info['bytes_on_disk'])}",
+        f"numerics     {describe_numerics(info.get('numerics'))}",
         "identity:",
     ]
     width = max(len(k) for k in info["identity"])
