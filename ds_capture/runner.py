@@ -214,9 +214,10 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
         session_threads = torch.get_num_threads()  # capture.cpu_threads here (distributed_target applied it)
         torch.set_num_threads(numerics["cpu_threads"])
         if prepared.numerics_continued and not already_complete:
-            _LOG.info("continuing %s with %d CPU thread(s) per rank, the count it was begun with (%s/%s; here "
+            count = numerics["cpu_threads"]
+            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (%s/%s; here "
                       "capture.cpu_threads: %s gives %d): its new shards match the earlier ones byte for byte",
-                      out_dir, numerics["cpu_threads"], BOOKKEEPING_DIR, NUMERICS_NAME, cfg.capture.cpu_threads,
+                      out_dir, count, "s" * (count != 1), BOOKKEEPING_DIR, NUMERICS_NAME, cfg.capture.cpu_threads,
                       session_threads)
     if already_complete:
         # Nothing to recompute and nothing to republish: the directory is left exactly as it was.
