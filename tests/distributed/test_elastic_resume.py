@@ -135,18 +135,18 @@ def test_a_dp4_cache_killed_mid_run_continues_at_dp_1_2_3_byte_identical(setup, 
         kept = {name: ino for name, ino in kh.shard_inodes(out).items() if int(name[6:12]) in DONE_AT_KILL}
         cfg = write_recipe(tmp_path / f"dp{dp_size}.yaml", setup["target"], setup["data"], out)
         rerun, log = resume(dp_size, cfg, tmp_path / f"dp{dp_size}.log")
-        # One line (rank 0's) says which count the resume computes with, and why; auto's own count here beside it.
-        auto_here = max(1, host_cores() // dp_size)
-        assert continuing_lines(log) == [
-            "[ds_capture] INFO " + CONTINUING.format(out=out, threads=THREADS_DP4, s="s" * (THREADS_DP4 != 1))
-            + f" (.ds_capture/numerics.json; here capture.cpu_threads: auto gives {auto_here}): its new shards match "
-            "the earlier ones byte for byte"], log[-3000:]
         assert kh.summary_counts(log) == (2, 4), (dp_size, log[-3000:])
         assert rows_forwarded(out) == 2 * SHARD_SIZE
         assert {name: ino for name, ino in kh.shard_inodes(out).items() if name in kept} == kept
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["complete"] is True and manifest["producer"]["dp_size"] == dp_size
         assert cache_files(out) == expected, f"resumed at dp {dp_size}"
+        # One line (rank 0's) says which count the resume computes with, and why; auto's own count here beside it.
+        auto_here = max(1, host_cores() // dp_size)
+        assert continuing_lines(log) == [
+            "[ds_capture] INFO " + CONTINUING.format(out=out, threads=THREADS_DP4, s="s" * (THREADS_DP4 != 1))
+            + f" (.ds_capture/numerics.json; here capture.cpu_threads: auto gives {auto_here}): its new shards match "
+            "the earlier ones byte for byte"], log[-3000:]
         if dp_size == 2:  # the reference's own layout: the manifest too, byte for byte
             assert kh.cache_digests(out) == kh.cache_digests(setup["reference"])
         assert not list(out.glob("*.tmp")) and not (out / ".ds_capture" / "lock").exists()
