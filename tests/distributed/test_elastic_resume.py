@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ds_capture.parallel.cpu_threads import host_cores
+import ds_capture.parallel.cpu_threads as cpu_threads
 from tests.distributed import _kill_helpers as kh
 from tests.distributed.launchers import run_launcher
 
@@ -44,9 +44,11 @@ KILL = "forward:3:all"
 DONE_AT_KILL = {0, 2, 4, 5}
 
 
-# The per-rank CPU thread count of `capture.cpu_threads: auto` at dp 4 and at dp 2 on one host (what a reference
-# made in one go must use to be comparable byte for byte).
-THREADS_DP4, THREADS_DP2 = max(1, host_cores() // 4), max(1, host_cores() // 2)
+# The host's cores, which this module's forked ranks are given (tests/conftest.py gives the others one), and the
+# per-rank CPU thread count of `capture.cpu_threads: auto` at dp 4 and at dp 2 on this host (what a reference made
+# in one go must use to be comparable byte for byte).
+CORES = max(1, len(os.sched_getaffinity(0)))
+THREADS_DP4, THREADS_DP2 = max(1, CORES // 4), max(1, CORES // 2)
 CONTINUING = "continuing {out} with {threads} CPU thread{s} per rank, the count it was begun with"
 
 
@@ -76,8 +78,17 @@ def rows_forwarded(out: Path) -> int:
     return json.loads((out / ".ds_capture" / "metrics.jsonl").read_text().splitlines()[-1])["samples_done"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def host_cores():
+    """``auto`` of this module's forked ranks sees the host's cores, as a launcher's ranks do."""
+    given = cpu_threads.host_cores
+    cpu_threads.host_cores = lambda: CORES
+    yield
+    cpu_threads.host_cores = given
+
+
 @pytest.fixture(scope="module")
-def setup(tiny_target, tmp_path_factory) -> dict:
+def setup(host_cores, tiny_target, tmp_path_factory) -> dict:
     """Target, data and one uninterrupted dp 2 reference cache at the dp 4 runs' thread count."""
     import ds_capture.cli  # noqa: F401 - imported once here, so each forked rank starts at once
 
@@ -142,7 +153,7 @@ def test_a_dp4_cache_killed_mid_run_continues_at_dp_1_2_3_byte_identical(setup, 
         assert manifest["complete"] is True and manifest["producer"]["dp_size"] == dp_size
         assert cache_files(out) == expected, f"resumed at dp {dp_size}"
         # One line (rank 0's) says which count the resume computes with, and why; auto's own count here beside it.
-        auto_here = max(1, host_cores() // dp_size)
+        auto_here = max(1, CORES // dp_size)
         assert continuing_lines(log) == [
             "[ds_capture] INFO " + CONTINUING.format(out=out, threads=THREADS_DP4, s="s" * (THREADS_DP4 != 1))
             + f" (.ds_capture/numerics.json; here capture.cpu_threads: auto gives {auto_here}): its new shards match "
@@ -171,7 +182,7 @@ def test_a_torchrun_dp2_cache_killed_mid_run_is_finished_by_one_process_byte_ide
     _result, log = resume(1, cfg, tmp_path / "rerun.log")
     assert continuing_lines(log) == [
         "[ds_capture] INFO " + CONTINUING.format(out=out, threads=THREADS_DP2, s="s" * (THREADS_DP2 != 1))
-        + f" (.ds_capture/numerics.json; here capture.cpu_threads: auto gives {host_cores()}): its new shards match "
+        + f" (.ds_capture/numerics.json; here capture.cpu_threads: auto gives {CORES}): its new shards match "
         "the earlier ones byte for byte"], log[-3000:]
     assert kh.summary_counts(log) == (NUM_SHARDS - len(done), len(done))
     assert cache_files(out) == cache_files(reference(setup, THREADS_DP2))

@@ -133,9 +133,13 @@ def test_a_run_records_its_numerics_and_a_rerun_over_the_cache_continues_with_th
     assert info["numerics"] == read_numerics(out)
     assert "\nnumerics     compute fp32 on cpu, 1 CPU thread per rank, engine deepspeed\n" in format_inspect(info)
 
-    # --restart recomputes every shard with the new count, and records it.
-    run(small_run, out, restart=True, cpu_threads=2)
-    assert read_numerics(out)["cpu_threads"] == 2
+    # --restart recomputes every shard with this run's count, and records it (here over a cache begun with 3;
+    # computed with 1: this process runs no multi-threaded region, so the tests' forks stay safe).
+    (out / ".ds_capture" / "numerics.json").write_text(json.dumps({**read_numerics(out), "cpu_threads": 3}))
+    with pytest.raises(CaptureError, match=r"was begun with 3 CPU threads per rank"):
+        run(small_run, out, cpu_threads=1)
+    summary = run(small_run, out, restart=True, cpu_threads=1)
+    assert summary.shards_written == 2 and read_numerics(out)["cpu_threads"] == 1
 
 
 def test_verify_and_inspect_of_a_cache_without_the_record(nemo_fixtures: Path) -> None:
