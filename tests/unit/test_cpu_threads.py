@@ -133,6 +133,19 @@ def test_a_run_records_its_numerics_and_a_rerun_over_the_cache_continues_with_th
     assert info["numerics"] == read_numerics(out)
     assert "\nnumerics     compute fp32 on cpu, 1 CPU thread per rank, engine deepspeed\n" in format_inspect(info)
 
+    # compare shows both caches' numerics beside the verdict (here a copy that says it was computed with 3 threads).
+    import shutil
+
+    from ds_capture.cache.registry import compare_caches
+
+    other = small_run / "other"
+    shutil.copytree(out, other)
+    record(other, {**read_numerics(out), "cpu_threads": 3})
+    lines = compare_caches(out, other, atol=0, rtol=0).format().splitlines()
+    assert "  numerics: A {'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', 'cpu_threads': 1} | B " \
+           "{'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', 'cpu_threads': 3}" in lines
+    assert lines[-1] == "verdict: EQUAL within tolerance"
+
     # --restart recomputes every shard with this run's count, and records it (here over a cache begun with 3;
     # computed with 1: this process runs no multi-threaded region, so the tests' forks stay safe).
     (out / ".ds_capture" / "numerics.json").write_text(json.dumps({**read_numerics(out), "cpu_threads": 3}))

@@ -267,7 +267,7 @@ class CompareReport:
     identity: dict[str, tuple[Any, Any]]
     """Every identity field, (value in A, value in B)."""
     bookkeeping: dict[str, tuple[Any, Any]]
-    """Non-identity manifest fields (producer, layout), shown, never compared."""
+    """Non-identity manifest fields (producer, layout) and the recorded numerics, shown, never compared."""
     identity_diff: list[str]
     atol: float
     rtol: float

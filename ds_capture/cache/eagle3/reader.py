@@ -245,7 +245,8 @@ def compare_eagle3_caches(a: Path, b: Path, *, atol: float | None, rtol: float |
         a=str(a), b=str(b),
         identity={name: (plain(getattr(manifest_a, name)), plain(getattr(manifest_b, name))) for name in FIELD_NAMES},
         bookkeeping={"producer": ((read_bookkeeping(a, RUN_RECORD_NAME) or {}).get("producer"),
-                                  (read_bookkeeping(b, RUN_RECORD_NAME) or {}).get("producer"))},
+                                  (read_bookkeeping(b, RUN_RECORD_NAME) or {}).get("producer")),
+                     "numerics": (read_numerics(a), read_numerics(b))},
         identity_diff=manifest_a.identity_diff(manifest_b),
         atol=default_atol if atol is None else atol, rtol=default_rtol if rtol is None else rtol)
     if any(name in report.identity_diff for name in _SHAPE_FIELDS):
