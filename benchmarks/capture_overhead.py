@@ -64,7 +64,7 @@ def main() -> None:
 
     def write_recipe(work: Path, repeat: int) -> Path:
         recipe = work / f"recipe{repeat}.yaml"
-        recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+        recipe.write_text(yaml.safe_dump({"capture": {"cpu_threads": args.threads}, "recipe_args": dict(
             target_model_name_or_path=str(target_dir), train_data_path=str(demo_data_path()), train_split=split,
             cache_output_dir=str(work / f"cache{repeat}"), seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, cache_shard_size=args.shard_size, cache_dtype="fp32",

@@ -126,7 +126,8 @@ def main() -> dict:
         for repeat in range(args.repeats):
             for name, spec in kinds.items():  # interleaved: drift on a shared box hits every kind alike
                 out = Path(tmp) / f"{name}-{repeat}"
-                raw = {"cache_kind": spec["cache_kind"], "capture": {"compute_dtype": "fp32"},
+                raw = {"cache_kind": spec["cache_kind"],
+                       "capture": {"compute_dtype": "fp32", "cpu_threads": args.threads},
                        "recipe_args": {**common, **spec["recipe_args"], "cache_output_dir": str(out)}}
                 summary = run_capture(parse_config(raw, source=name, base_dir=Path(".")), show_progress=False)
                 shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))

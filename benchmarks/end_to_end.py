@@ -98,7 +98,9 @@ def main() -> None:
 
         def run_runner(repeat: int) -> float:
             recipe = root / f"recipe{repeat}.yaml"
-            recipe.write_text(yaml.safe_dump({"recipe_args": dict(
+            # The baseline's thread count (--threads) for the runner too (capture.cpu_threads: auto would take every
+            # core): the ratio compares the two loops, not two thread counts.
+            recipe.write_text(yaml.safe_dump({"capture": {"cpu_threads": args.threads}, "recipe_args": dict(
                 target_model_name_or_path=str(work.target_dir), train_data_path="demo:conversations",
                 train_split=work.split, cache_output_dir=str(root / f"capture{repeat}"), seq_length=work.seq_length,
                 micro_batch_size=work.micro_batch_size, cache_shard_size=work.shard_size, cache_dtype="fp32")}))

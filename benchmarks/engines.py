@@ -77,6 +77,7 @@ def _recipe(path: Path, target: Path, out: Path, engine: str, distributed: dict,
             "micro_batch_size": args.micro_batch_size, "cache_shard_size": args.shard_size, "cache_dtype": "fp32",
         },
         "dist_env": {"timeout_minutes": 3},
+        "capture": {"cpu_threads": args.threads},  # the worker's count (auto would take cores // ranks)
     }
     if distributed:
         recipe["distributed"] = distributed

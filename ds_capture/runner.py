@@ -23,8 +23,14 @@ from typing import Any, Iterator
 
 import torch
 
-from ds_capture.cache.common.files import write_atomic, write_run_command, write_skipped_rows
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, SKIPPED_ROWS_NAME
+from ds_capture.cache.common.files import (
+    run_numerics,
+    write_atomic,
+    write_numerics,
+    write_run_command,
+    write_skipped_rows,
+)
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, NUMERICS_NAME, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
@@ -47,6 +53,7 @@ from ds_capture.session import (
     plan_session,
     resolve_compute_dtype,
     select_cache_kind,
+    session_cpu_threads,
     target_forward,
 )
 from ds_capture.target.families import TargetInfo
@@ -129,13 +136,20 @@ def run_capture(cfg: RunConfig, *, restart: bool = False, verify_checksums: bool
 def _run_capture(cfg: RunConfig, env, stop: StopOnSignal, *, restart: bool, verify_checksums: bool,
                  show_progress: bool) -> RunSummary:
     session = plan_session(cfg, env)
-    with distributed_target(cfg, env, session.plan):
-        return _run(cfg, session.target, session.layer_ids, session.plan, stop, restart=restart,
+    threads = session_cpu_threads(cfg, env)
+    numerics = run_numerics(compute_dtype=_DTYPE_NAMES[resolve_compute_dtype(cfg.capture.compute_dtype)],
+                            device="cpu" if threads is not None else "cuda", engine=cfg.engine, cpu_threads=threads)
+    with distributed_target(cfg, env, session.plan):  # this rank computes with `threads` threads from here
+        return _run(cfg, session.target, session.layer_ids, session.plan, stop, numerics, restart=restart,
                     verify_checksums=verify_checksums, show_progress=show_progress, chunk_tokens=session.chunk_tokens)
 
 
-def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, stop: StopOnSignal, *,
-         restart: bool, verify_checksums: bool, show_progress: bool, chunk_tokens: int | None) -> RunSummary:
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: ParallelLayout, stop: StopOnSignal,
+         numerics: dict, *, restart: bool, verify_checksums: bool, show_progress: bool,
+         chunk_tokens: int | None) -> RunSummary:
     out_dir = Path(cfg.recipe_args.cache_output_dir)
     started = time.perf_counter()
     lock = OutputLock(out_dir) if plan.is_manifest_writer else None
@@ -153,6 +167,7 @@ def _run(cfg: RunConfig, target: TargetInfo, layer_ids: list[int], plan: Paralle
             error, prepared = None, None
             try:
                 prepared = _prepare(cfg, kind, target, layer_ids, plan)
+                prepared.numerics = numerics  # rank 0's kind settles them against the cache's record
             except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error, whatever failed
                 error = caught
             agree_on_error(error)
@@ -192,7 +207,18 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     args = cfg.recipe_args
     out_dir = Path(args.cache_output_dir)
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
-    done_shards, already_complete = _broadcast_from_rank0((prepared.done, prepared.already_complete))
+    done_shards, already_complete, numerics = _broadcast_from_rank0(
+        (prepared.done, prepared.already_complete, prepared.numerics))
+    if numerics["cpu_threads"] is not None:
+        # A rerun computes with the thread count the cache was begun with, at whatever world size it runs.
+        session_threads = torch.get_num_threads()  # capture.cpu_threads here (distributed_target applied it)
+        torch.set_num_threads(numerics["cpu_threads"])
+        if prepared.numerics_continued and not already_complete:
+            count = numerics["cpu_threads"]
+            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (%s/%s; here "
+                      "capture.cpu_threads: %s gives %d): its new shards match the earlier ones byte for byte",
+                      out_dir, count, "s" * (count != 1), BOOKKEEPING_DIR, NUMERICS_NAME, cfg.capture.cpu_threads,
+                      session_threads)
     if already_complete:
         # Nothing to recompute and nothing to republish: the directory is left exactly as it was.
         _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)
@@ -337,8 +363,10 @@ def _prepare_output_dir(kind: CacheKind, target: TargetInfo, prepared: "_Prepare
 
 
 def _record_run(out_dir: Path, prepared: "_Prepared") -> None:
-    """Rank 0, once the kind decided there is work: the run's command (verify's repairs) and the skipped rows."""
+    """Rank 0, once the kind decided there is work: the run's command (verify's repairs), its numerics (a rerun
+    continues with them) and the skipped rows."""
     try:
+        write_numerics(out_dir, prepared.numerics)
         if prepared.run_command is not None:
             write_run_command(out_dir, prepared.run_command)
         if prepared.skipped_rows is not None:
@@ -373,6 +401,11 @@ class _Prepared:
     run_command: list[str] | None = None
     skipped_rows: list[dict] | None = None
     """``capture.invalid_rows: skip``: the rows left out (``SkippedRow.to_json``); None under ``refuse``."""
+    numerics: dict = field(default_factory=dict)
+    """What this run computes with (``run_numerics``); on rank 0, after the kind's ``prepare_output``, the cache's
+    recorded CPU thread count where the run continues a cache begun on CPU."""
+    numerics_continued: bool = False
+    """Rank 0: ``numerics`` carry the cache's recorded thread count (a rerun over it)."""
 
 
 @dataclass(frozen=True)

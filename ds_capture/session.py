@@ -6,8 +6,9 @@ In: a validated :class:`~ds_capture.recipe.config.RunConfig` and the launcher's
 - :func:`plan_session`: the target's facts, the cache kind's layer ids and the :class:`ParallelLayout`, checked
   (family vs layout, resident experts, attention implementation, ``ds-capture plan``'s fit verdict) before any
   process group exists or any weight loads;
-- :func:`distributed_target`: the process group and what keeps a sharded job honest (DeepSpeed's CPU all-reduce
-  repaired, :class:`FailFast`, :class:`Liveness`, a dead peer's collective as a clear message);
+- :func:`distributed_target`: this rank's CPU threads (``capture.cpu_threads``, :func:`session_cpu_threads`), the
+  process group and what keeps a sharded job honest (DeepSpeed's CPU all-reduce repaired, :class:`FailFast`,
+  :class:`Liveness`, a dead peer's collective as a clear message);
 - :func:`build_target_model`: the engine's sharded model (deepspeed | fsdp2 | single);
 - :class:`TargetForward`: the scoped hooks and the per-micro-batch forward every rank runs together.
 
@@ -34,6 +35,7 @@ from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.cpu_threads import compute_on_cpu, resolve_cpu_threads, use_cpu_threads
 from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout, build_layout, check_family_layout, resolve_degrees
@@ -87,8 +89,10 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
 
 @contextmanager
 def distributed_target(cfg: RunConfig, env: DistEnv, plan: ParallelLayout) -> Iterator[None]:
-    """The job's process group with its guards; on every exit the group is torn down (barrier, destroy)."""
-    with distributed_session(env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
+    """The job's process group with its guards, this rank computing with :func:`session_cpu_threads` threads; on
+    every exit the group is torn down (barrier, destroy) and the process's earlier thread count is back."""
+    with use_cpu_threads(session_cpu_threads(cfg, env)), distributed_session(
+            env, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes):
         # DeepSpeed's CPU shm all-reduce ignores process groups: off unless the TP group is the world (§6).
         repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
         # FailFast ends every rank within seconds of any rank's failure (not at the collective timeout);
@@ -100,6 +104,12 @@ def distributed_target(cfg: RunConfig, env: DistEnv, plan: ParallelLayout) -> It
 def select_cache_kind(cfg: RunConfig) -> CacheKind:
     """The one place the cache kind is chosen (``cache_kind``)."""
     return kind_class(cfg.cache_kind)(cfg)
+
+
+def session_cpu_threads(cfg: RunConfig, env: DistEnv) -> int | None:
+    """This rank's intra-op threads for ``capture.cpu_threads`` (``auto``: the host's cores shared by its local ranks);
+    None where the forward runs on a GPU, where the count changes no bit and the process's own is left alone."""
+    return resolve_cpu_threads(cfg.capture.cpu_threads, local_size=env.local_size) if compute_on_cpu() else None
 
 
 def resolve_compute_dtype(name: str) -> torch.dtype:

@@ -20,8 +20,15 @@ import pytest
 import torch
 import yaml
 
-# Two CPU cores are shared by everything on this box: one intra-op thread per test process.
+# Two CPU cores are shared by everything on this box: one intra-op thread per test process. `capture.cpu_threads:
+# auto` sizes a run by the cores it is given: this process and its forked ranks are given one. (Also what keeps
+# forks safe: a child's first multi-threaded region hangs where its parent already ran OpenMP with several threads.)
+# A real launcher's ranks (a subprocess) see the host's cores; tests/distributed/test_elastic_resume.py gives its
+# forked ranks the host's cores too.
 torch.set_num_threads(1)
+import ds_capture.parallel.cpu_threads  # noqa: E402
+
+ds_capture.parallel.cpu_threads.host_cores = lambda: 1
 
 # In the repository (tests/fixtures/README.md says how to regenerate them with NeMo AutoModel 0.7.0).
 NEMO_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nemo_dspark_v1"

@@ -35,7 +35,8 @@ class CacheKind(Protocol):
 
     def prepare_output(self, prepared: Any, target: Any, out_dir: Path, data_path: Path, lock: Any, *,
                        restart: bool, verify_checksums: bool) -> None:
-        """Rank 0, before any collective: refuse a foreign or changed directory, take the lock."""
+        """Rank 0, before any collective: refuse a foreign or changed directory, settle ``prepared.numerics`` with
+        the cache's record (:func:`~ds_capture.cache.common.identity.continue_numerics`), take the lock."""
 
     def publish(self, prepared: Any, target: Any, plan: Any, out_dir: Path, *, restart: bool,
                 verify_checksums: bool) -> None:

@@ -107,9 +107,11 @@ def read_conversations(path: str, *, split: str | None, shuffle_seed: int) -> li
     return open_dataset(path, split=split, shuffle_seed=shuffle_seed).conversations()
 
 
-def open_dataset(path: str, *, split: str | None, shuffle_seed: int, invalid_rows: str = "refuse") -> ChatRows:
+def open_dataset(path: str, *, split: str | None, shuffle_seed: int, invalid_rows: str = "refuse",
+                 selected_for: str = "cache") -> ChatRows:
     """Validate every selected row (streaming) and return a re-readable handle: the first invalid row raises,
-    or with ``invalid_rows="skip"`` every invalid row is left out and listed in ``ChatRows.skipped``."""
+    or with ``invalid_rows="skip"`` every invalid row is left out and listed in ``ChatRows.skipped``.
+    ``selected_for``: ``cache`` (a run) or ``regenerate``, whose words the line about a local file's split uses."""
     assert invalid_rows in INVALID_ROWS, invalid_rows
     skip = invalid_rows == "skip"
     source = Path(path)
@@ -120,9 +122,9 @@ def open_dataset(path: str, *, split: str | None, shuffle_seed: int, invalid_row
     suffix = source.suffix.lower()
     dropped = DroppedParts()
     if source.is_file() and suffix in JSONL_SUFFIXES:
-        rows = _jsonl_rows(source, path, split, dropped, skip=skip)
+        rows = _jsonl_rows(source, path, split, dropped, skip=skip, selected_for=selected_for)
     elif source.is_file() and suffix == ".json":
-        rows = _json_rows(source, path, split)
+        rows = _json_rows(source, path, split, selected_for=selected_for)
     elif source.is_dir() or suffix == ".parquet":
         rows = _hf_rows(source, path, split, shuffle_seed)
     else:
@@ -170,7 +172,8 @@ def _without_invalid_rows(rows: ChatRows, dropped: DroppedParts) -> ChatRows:
 # ----------------------------------------------------------------------------- JSONL
 
 
-def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts, *, skip: bool) -> ChatRows:
+def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedParts, *, skip: bool,
+                selected_for: str) -> ChatRows:
     """One pass records where each row's line starts (8 bytes a row) and, without a split (every row is
     selected) and without ``skip``, validates each row as it goes; rows are parsed again when read. With
     ``skip`` a line that is not UTF-8 is a row too (piece -1), which reads as its refusal."""
@@ -204,7 +207,7 @@ def _jsonl_rows(source: Path, path: str, split: str | None, dropped: DroppedPart
                     pieces.append(piece)
                     numbers.append(number)
             offset += len(raw)
-    order = _select_local(len(offsets), path, split)
+    order = _select_local(len(offsets), path, split, selected_for)
 
     def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
         with source.open("rb") as handle:
@@ -245,7 +248,7 @@ def _parse_line(line: str, source: Path, number: int, *, broken: bool = False) -
 # ----------------------------------------------------------------------------- JSON list
 
 
-def _json_rows(source: Path, path: str, split: str | None) -> ChatRows:
+def _json_rows(source: Path, path: str, split: str | None, *, selected_for: str) -> ChatRows:
     """A .json file is one document: parsed whole (as NeMo does), then sliced."""
     raw = source.read_bytes()
     try:
@@ -263,7 +266,7 @@ def _json_rows(source: Path, path: str, split: str | None) -> ChatRows:
             f"{source}: a .json dataset must be a JSON list of rows, got a JSON {type(rows).__name__}. "
             "Wrap the rows in a list, or write one row per line as .jsonl."
         )
-    order = _select_local(len(rows), path, split)
+    order = _select_local(len(rows), path, split, selected_for)
 
     def read(start: int, stop: int) -> Iterator[tuple[str, Any]]:
         for k in order[start:stop]:
@@ -286,14 +289,18 @@ def _absolute_ranges(split: str, split_sizes: dict[str, int], path: str) -> list
     return [(i.splitname, i.from_, i.to) for i in instructions]
 
 
-def _select_local(num_rows: int, path: str, split: str | None) -> range | list[int]:
-    """Indices of a local file's rows picked by a split expression, in file order (no shuffle)."""
+def _select_local(num_rows: int, path: str, split: str | None, selected_for: str) -> range | list[int]:
+    """Indices of a local file's rows picked by a split expression, in file order (no shuffle); a split that
+    leaves rows out is said once, for a cache (NeMo ignores it there) or for ``ds-capture regenerate``."""
     if split is None:
         return range(num_rows)
     ranges = _absolute_ranges(split, {"train": num_rows}, path)
     selected = (range(ranges[0][1], ranges[0][2]) if len(ranges) == 1
                 else [k for _, start, stop in ranges for k in range(start, stop)])
-    if len(selected) != num_rows:
+    if len(selected) != num_rows and selected_for == "regenerate":
+        _LOG.info("%s: --split %r selects %d of its %d rows (in file order); the regenerated dataset holds only the "
+                  "%d selected.", path, split, len(selected), num_rows, len(selected))
+    elif len(selected) != num_rows:
         _LOG.warning("%s: train_split %r selects %d of its %d rows. NeMo AutoModel 0.7.0 ignores train_split for "
                      "local JSON/JSONL files (its precompute would capture all %d); this cache holds the %d selected.",
                      path, split, len(selected), num_rows, num_rows, len(selected))

@@ -217,6 +217,14 @@ class CaptureOptions:
     compute_dtype: str = "auto"
     """Dtype the target runs in: ``auto`` follows NeMo's producer (bf16 on CUDA, fp32 on CPU), whatever
     the cache dtype; or ``bf16`` / ``fp16`` / ``fp32``. States are cast to ``cache_dtype`` when captured."""
+    cpu_threads: int | str = "auto"
+    """Intra-op threads of each rank on CPU (``torch.set_num_threads``), part of a CPU run's numerics: fp32 sums
+    are split over the threads, so another count can round to other bits. ``auto``: a process alone on its host
+    takes the cores it is given (its CPU affinity), each of several local ranks ``cores // local ranks`` (at
+    least 1), whatever the launcher set (torchrun's ``OMP_NUM_THREADS=1``). The count a cache was begun with is
+    recorded in ``.ds_capture/numerics.json`` and a rerun over that cache uses it again at any world size, so its
+    shards match byte for byte; an explicit count other than the recorded one is refused unless ``--restart``.
+    On CUDA the forward runs on the GPU and this setting is not applied: it changes no bit of the cache."""
     expert_storage: str = "dequantized"
     """Quantized checkpoints: ``dequantized`` (every weight dequantized to the compute dtype on load) or
     ``checkpoint`` (routed experts stay resident in the checkpoint's FP8 / FP4 / INT4 format and are
@@ -231,6 +239,9 @@ class CaptureOptions:
     def __post_init__(self) -> None:
         if self.expert_storage not in ("dequantized", "checkpoint"):
             raise ValueError(f"must be dequantized or checkpoint, got {self.expert_storage!r}", "expert_storage")
+        if isinstance(self.cpu_threads, str) and self.cpu_threads != "auto" or (
+                isinstance(self.cpu_threads, int) and self.cpu_threads < 1):
+            raise ValueError(f"must be auto or a number of threads >= 1, got {self.cpu_threads!r}", "cpu_threads")
         if self.compute_dtype not in ("auto", *CACHE_DTYPES):
             raise ValueError(f"must be auto, bf16, fp16 or fp32, got {self.compute_dtype!r}", "compute_dtype")
         if self.pad_to_multiple_of < 0:

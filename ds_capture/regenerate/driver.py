@@ -102,7 +102,8 @@ def regenerate(options: RegenerateOptions, *, transport: httpx.AsyncBaseTranspor
     if Path(options.data).resolve() == paths.out.resolve():
         raise CaptureError(f"--output {paths.out} is the input dataset itself; write the regenerated rows to "
                            "another file.")
-    rows = open_dataset(options.data, split=options.split, shuffle_seed=options.shuffle_seed)  # run's refusals, first
+    rows = open_dataset(options.data, split=options.split, shuffle_seed=options.shuffle_seed,  # run's refusals, first
+                        selected_for="regenerate")
     identity = {"input_rows_sha256": _rows_sha256(rows), "num_input_rows": rows.num_rows, "split": options.split,
                 "shuffle_seed": options.shuffle_seed, **_settings_identity(options.generation)}
     complete = read_complete(paths, identity)

@@ -228,7 +228,8 @@ def disable_shm_op() -> None:
 def run_forked_ranks(world_size: int, cfg_path: Path | None, *, kill: str | None = None, log_path: Path,
                      timeout_s: float = 90, kill_when_cond: Callable[[], bool] | None = None,
                      cli_argv: list[str] | None = None, script_argv: list[str] | None = None,
-                     watch: Callable[[list[int], dict[int, int]], None] | None = None) -> dict:
+                     watch: Callable[[list[int], dict[int, int]], None] | None = None,
+                     own_logging: bool = False) -> dict:
     """Run ``world_size`` real gloo ranks as forks of this process (imports already paid), each with the
     environment a launcher gives (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, MASTER_ADDR/PORT).
 
@@ -236,7 +237,8 @@ def run_forked_ranks(world_size: int, cfg_path: Path | None, *, kill: str | None
     ``script_argv[0]`` as ``__main__`` with ``sys.argv = script_argv``, as a launcher would run it; ``cfg_path``
     is then None) after ``install_kill(kill)``; its stdout/stderr go to ``log_path``. ``kill_when_cond``: SIGKILL
     every rank once it holds. ``watch(pids, statuses)`` is called every poll (rank -> pid, pid -> wait status of
-    the ranks that ended so far). Returns ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} |
+    the ranks that ended so far). ``own_logging``: each rank drops the logging handlers it inherited from pytest, so
+    the CLI's own (``[ds_capture] INFO ...`` on stderr) writes into ``log_path`` as under a launcher. Returns ``{"signals": [...], "codes": [...], "seconds": ..., "summary": {...} |
     None, "leftover_shm": [...]}`` where a rank's signal is its terminating signal (0 if it exited), ``summary``
     is rank 0's ``RunSummary`` fields and ``leftover_shm`` the DeepSpeed shm buffers no rank removed (deleted).
     """
@@ -246,13 +248,13 @@ def run_forked_ranks(world_size: int, cfg_path: Path | None, *, kill: str | None
     with reserve_ports() as port:
         return _run_forked_ranks(port, world_size, cfg_path, kill=kill, log_path=log_path, timeout_s=timeout_s,
                                  kill_when_cond=kill_when_cond, cli_argv=cli_argv, script_argv=script_argv,
-                                 watch=watch)
+                                 watch=watch, own_logging=own_logging)
 
 
 def _run_forked_ranks(port: int, world_size: int, cfg_path: Path | None, *, kill: str | None, log_path: Path,
                       timeout_s: float, kill_when_cond: Callable[[], bool] | None, cli_argv: list[str] | None,
                       script_argv: list[str] | None,
-                      watch: Callable[[list[int], dict[int, int]], None] | None) -> dict:
+                      watch: Callable[[list[int], dict[int, int]], None] | None, own_logging: bool = False) -> dict:
     import json
 
     from tests.distributed.launchers import shm_buffers
@@ -281,6 +283,10 @@ def _run_forked_ranks(port: int, world_size: int, cfg_path: Path | None, *, kill
                                       LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 if kill:
                     install_kill(kill)
+                if own_logging:
+                    import logging
+
+                    logging.getLogger().handlers.clear()
                 if script_argv is not None:
                     import runpy
 

@@ -40,7 +40,8 @@ def _recipe(path: Path, target: Path, data: Path, out: Path, **extra) -> Path:
     recipe = {"recipe_args": {"target_model_name_or_path": str(target), "train_data_path": str(data),
                               "cache_output_dir": str(out), "seq_length": 32, "micro_batch_size": 2,
                               "cache_shard_size": 2, "cache_dtype": "fp32", **extra},
-              "dist_env": {"timeout_minutes": 2}}
+              "dist_env": {"timeout_minutes": 2},
+              "capture": {"cpu_threads": 1}}  # one thread per rank whatever the world: the count is part of the bits
     if distributed:
         recipe["distributed"] = distributed
     path.write_text(yaml.safe_dump(recipe))

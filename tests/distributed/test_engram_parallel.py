@@ -49,7 +49,7 @@ def release(tmp_path_factory) -> Path:
 def _capture(release: Path, out: Path, nproc: int, ep_size: int):
     recipe = out.parent / f"{out.name}.yaml"
     recipe.write_text(yaml.safe_dump({
-        "distributed": {"tp_size": 1, "ep_size": ep_size}, "capture": {"compute_dtype": "fp32"},
+        "distributed": {"tp_size": 1, "ep_size": ep_size}, "capture": {"compute_dtype": "fp32", "cpu_threads": 1},
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype="fp32", target_layer_ids=LAYER_IDS)}))

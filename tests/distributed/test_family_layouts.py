@@ -117,6 +117,7 @@ def _recipe(target: Path, out: Path, tp_size: int, ep_size: int, engine: str = "
     recipe.write_text(yaml.safe_dump({
         "engine": engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
+        "capture": {"cpu_threads": 1},  # one thread per rank in every layout: the count is part of the bits
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype="fp32", target_layer_ids=LAYER_IDS)}))

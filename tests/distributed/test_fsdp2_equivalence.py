@@ -43,6 +43,7 @@ def _recipe(path: Path, target: Path, out: Path, *, engine: str, dtype: str = "f
             "train_split": "train[:6]", "cache_output_dir": str(out), "seq_length": 48, "micro_batch_size": 1,
             "cache_shard_size": 2, "cache_dtype": dtype,
         },
+        "capture": {"cpu_threads": 1},  # one thread per rank whatever the world: the count is part of the bits
         "dist_env": {"timeout_minutes": 2},
     }
     path.write_text(yaml.safe_dump(recipe))

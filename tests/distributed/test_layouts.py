@@ -192,7 +192,7 @@ def _recipe(path: Path, target: Path, out: Path, mode: str, tp_size: int, ep_siz
             "micro_batch_size": 2, "cache_shard_size": 4, "cache_dtype": cache_dtype,
         },
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
-        "capture": {"compute_dtype": compute_dtype},
+        "capture": {"compute_dtype": compute_dtype, "cpu_threads": 1},  # the count is part of the bits
         "dist_env": {"timeout_minutes": 3},
     }
     path.write_text(yaml.safe_dump(recipe))

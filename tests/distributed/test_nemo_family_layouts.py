@@ -83,7 +83,8 @@ def _recipe(release: Path, out: Path, model_type: str, *, tp_size: int = 1, ep_s
     recipe.write_text(yaml.safe_dump({
         **zero3, "engine": "deepspeed" if engine == "zero3" else engine,
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
-        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"], "expert_storage": expert_storage},
+        "capture": {"compute_dtype": DTYPES[dtype]["compute_dtype"], "expert_storage": expert_storage,
+                    "cpu_threads": 1},  # one thread per rank in every layout: the count is part of the bits
         "recipe_args": dict(target_model_name_or_path=str(release), train_data_path="demo:conversations",
                             train_split=split, cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=2, cache_dtype=DTYPES[dtype]["cache_dtype"],

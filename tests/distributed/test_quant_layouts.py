@@ -106,7 +106,7 @@ def _capture(target: Path, out: Path, layout: str, storage: str = "dequantized")
     recipe.write_text(yaml.safe_dump({
         "engine": "fsdp2" if layout == "fsdp2" else "deepspeed",
         "distributed": {"tp_size": tp_size, "ep_size": ep_size},
-        "capture": {"expert_storage": storage},
+        "capture": {"expert_storage": storage, "cpu_threads": 1},  # the CPU thread count is part of the bits
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path="demo:conversations",
                             train_split="train[:8]", cache_output_dir=str(out), seq_length=32, micro_batch_size=2,
                             cache_shard_size=4, cache_dtype="fp32", target_layer_ids=[-1, 0, 1, 2, 3])}))

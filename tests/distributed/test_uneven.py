@@ -44,6 +44,7 @@ def _recipe(path: Path, target: Path, out: Path, num_samples: int) -> Path:
         "recipe_args": {"target_model_name_or_path": str(target), "train_data_path": "demo:conversations",
                         "train_split": f"train[:{num_samples}]", "cache_output_dir": str(out), "seq_length": 32,
                         "micro_batch_size": 2, "cache_shard_size": 2, "cache_dtype": "fp32"},
+        "capture": {"cpu_threads": 1},  # one thread per rank whatever the world: the count is part of the bits
         "dist_env": {"timeout_minutes": 2},
     }))
     return path

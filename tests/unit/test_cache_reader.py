@@ -170,7 +170,7 @@ def test_inspect_fixture():
     assert {k: v for k, v in info.items() if k not in ("identity", "bookkeeping", *sizes)} == {
         "cache_dir": str(cache), "complete": True, "format_version": 1, "samples": 10, "shards": 3,
         "expected_shards": 3, "shard_size": 4, "seq_length": 48, "tokens": 372, "supervised_tokens": 177,
-        "pad_id": 363, "layers": [1, 2, 3], "dtype": "fp32",
+        "pad_id": 363, "layers": [1, 2, 3], "dtype": "fp32", "numerics": None,  # NeMo's cache: no record
     }
     assert info["logical_bytes"] == 612 + 2 * 200008 + 100168 + 196784
     assert info["bytes_on_disk"] == sum(p.stat().st_blocks * 512 for p in cache.rglob("*") if p.is_file())

@@ -66,7 +66,8 @@ def test_verify_good_cache_prints_one_line(good_cache, capsys):
     assert out.count("\n") == 1
     assert out.startswith(f"{good_cache}: OK: 6 samples in 2/2 shards checked, ")
     assert main(["verify", str(good_cache), "--checksums"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith(", checksums verified")
+    assert capsys.readouterr().out.rstrip().endswith(
+        ", checksums verified; numerics: compute fp32 on cpu, 1 CPU thread per rank, engine deepspeed")
 
 
 def test_verify_json_parses(good_cache, capsys):

@@ -69,6 +69,16 @@ def test_a_slice_of_a_local_file_warns_that_nemo_ignores_it(jsonl10, caplog):
     assert not caplog.records
 
 
+def test_regenerate_words_the_slice_of_a_local_file_for_a_dataset(jsonl10, caplog):
+    from ds_capture.data.reading import open_dataset
+
+    with caplog.at_level("INFO", logger="ds_capture.data.reading"):
+        open_dataset(jsonl10, split="train[2:5]", shuffle_seed=42, selected_for="regenerate")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"{jsonl10}: --split 'train[2:5]' selects 3 of its 10 rows (in file order); the regenerated dataset "
+                 "holds only the 3 selected.")]
+
+
 def test_jsonl_unknown_split_name(jsonl10):
     with pytest.raises(CaptureError) as err:
         read_conversations(jsonl10, split="test[:2]", shuffle_seed=42)

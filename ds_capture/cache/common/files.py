@@ -23,6 +23,7 @@ from safetensors.torch import save_file as _save_file
 from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,
+    NUMERICS_NAME,
     RUN_COMMAND_NAME,
     SKIPPED_ROWS_NAME,
     checksum_name,
@@ -161,6 +162,38 @@ def write_run_command(out_dir: Path, argv: list[str]) -> None:
     directory it was given, from which ``verify`` builds each problem's repair."""
     record = {"argv": list(argv), "cache_output_dir": str(Path(out_dir).resolve())}
     _write_bookkeeping_json(out_dir, RUN_COMMAND_NAME, record)
+
+
+def write_numerics(out_dir: Path, numerics: dict) -> None:
+    """``.ds_capture/numerics.json``: the numerics the cache's shards are computed with (:func:`run_numerics`);
+    a rerun over the cache continues with them (``ds_capture.cache.common.identity.continue_numerics``)."""
+    _write_bookkeeping_json(out_dir, NUMERICS_NAME, dict(numerics))
+
+
+def read_numerics(out_dir: Path) -> dict | None:
+    """The record :func:`write_numerics` left in ``out_dir``, or None (none yet, a cache of an earlier version, one
+    NeMo wrote, or an unreadable record)."""
+    try:
+        record = json.loads((Path(out_dir) / BOOKKEEPING_DIR / NUMERICS_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def run_numerics(*, compute_dtype: str, device: str, engine: str, cpu_threads: int | None) -> dict:
+    """The numerics record of a run: ``cpu_threads`` None where the forward runs on a GPU (it changes no bit)."""
+    return {"compute_dtype": compute_dtype, "device": device, "engine": engine, "cpu_threads": cpu_threads}
+
+
+def describe_numerics(numerics: dict | None) -> str:
+    """One phrase for verify and inspect: ``compute fp32 on cpu, 2 CPU threads per rank, engine deepspeed``."""
+    if not numerics:
+        return f"not recorded (no {BOOKKEEPING_DIR}/{NUMERICS_NAME}: a cache of an earlier version, or NeMo's own)"
+    threads = numerics.get("cpu_threads")
+    where = (f"{threads} CPU thread{'s' * (threads != 1)} per rank" if isinstance(threads, int)
+             else "CPU threads not part of them (GPU forward)")
+    return (f"compute {numerics.get('compute_dtype', '?')} on {numerics.get('device', '?')}, {where}, "
+            f"engine {numerics.get('engine', '?')}")
 
 
 def write_skipped_rows(out_dir: Path, rows: list[dict]) -> None:

@@ -1,5 +1,6 @@
-"""What ties a cache to the run that made it, for both kinds: a rerun over changed inputs is refused, and the
-target's embedding and lm_head are read whole for the weights file.
+"""What ties a cache to the run that made it, for both kinds: a rerun over changed inputs is refused, a rerun
+continues with the numerics the cache was begun with (its CPU thread count), and the target's embedding and lm_head
+are read whole for the weights file.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ds_capture.cache.common.files import read_numerics
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, NUMERICS_NAME
 from ds_capture.errors import CaptureError
 from ds_capture.target.families import TargetInfo
 
@@ -33,6 +36,29 @@ def refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
             + " changed since (sha256 differs). Mixing them would corrupt the cache silently. Use a new "
             "cache_output_dir, or pass --restart to recompute every shard from the current inputs."
         )
+
+
+def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resuming: bool) -> tuple[dict, bool]:
+    """The numerics this run computes with, and whether they are the cache's recorded ones (rank 0, read-only,
+    before anything is written). ``current``: this run's :func:`~ds_capture.cache.common.files.run_numerics`. A
+    rerun over a cache begun on CPU (``resuming``: the directory holds this cache and no ``--restart``) takes the
+    CPU thread count recorded in ``.ds_capture/numerics.json``, at whatever world size it runs; an explicit
+    ``capture.cpu_threads`` (``setting``) other than the recorded count is refused. A GPU forward, a cache without
+    a record (an earlier version) and a run that starts the cache keep ``current``."""
+    recorded = (read_numerics(out_dir) if resuming else None) or {}
+    threads = recorded.get("cpu_threads")
+    if current["device"] != "cpu" or recorded.get("device") != "cpu" or not isinstance(threads, int):
+        return current, False
+    if setting != "auto" and setting != threads:
+        raise CaptureError(
+            f"{out_dir} was begun with {threads} CPU thread{'s' * (threads != 1)} per rank "
+            f"({BOOKKEEPING_DIR}/{NUMERICS_NAME}), and this run sets capture.cpu_threads: {setting}: the thread count "
+            "changes the order of fp32 sums on CPU, so shards computed with the two counts differ in their last bits "
+            f"and cannot be mixed in one cache. Set capture.cpu_threads to {threads} (or auto, which continues with "
+            "the recorded count) to continue this cache, use a new cache_output_dir, or pass --restart to recompute "
+            "every shard with the new count."
+        )
+    return {**current, "cpu_threads": threads}, True
 
 
 def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ from ds_capture.capture.safety import BOOKKEEPING_DIR  # noqa: F401 - a name of 
 MANIFEST_NAME = "manifest.json"
 RUN_COMMAND_NAME = "run_command.json"
 """Under ``.ds_capture/``: the ``ds-capture run`` command line that last wrote the cache (verify's repairs)."""
+NUMERICS_NAME = "numerics.json"
+"""Under ``.ds_capture/``: what decides the bits of the cache beyond its identity: compute dtype, device, engine and
+the CPU threads per rank (``capture.cpu_threads``) its shards were computed with."""
 SKIPPED_ROWS_NAME = "skipped_rows.json"
 """Under ``.ds_capture/``: the rows ``capture.invalid_rows: skip`` left out, each with the refusal's reason."""
 

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from ds_capture.cache.common.files import checksum_matches, file_checksum, read_recorded_checksum
+from ds_capture.cache.common.files import (
+    checksum_matches,
+    describe_numerics,
+    file_checksum,
+    read_numerics,
+    read_recorded_checksum,
+)
 from ds_capture.cache.common.names import (
     BOOKKEEPING_DIR,
     CHECKSUMS_DIR,
@@ -87,6 +93,9 @@ class VerifyReport:
     """The inferred pad id (None: no row looks padded)."""
     checksums: bool = False
     """Whether shards were re-hashed against their recorded sha256."""
+    numerics: dict | None = None
+    """What the shards were computed with (``.ds_capture/numerics.json``: compute dtype, device, engine, CPU threads
+    per rank); None for a cache without the record (an earlier version, NeMo's own)."""
 
     def add(self, problem: str, repair: str, names: tuple[str, ...] = ()) -> None:
         """Record ``problem`` and the command that repairs it (``repair``: one of the kinds above; ``names``:
@@ -110,12 +119,19 @@ class VerifyReport:
             f"{self.cache_dir}: {status}: {self.num_samples} samples in {self.num_shards_checked}/{self.num_shards} "
             f"shards checked, {self.num_tokens} tokens, {self.num_supervised_tokens} supervised"
             + (", checksums verified" if self.checksums else "")
+            + (f"; numerics: {describe_numerics(self.numerics)}" if self.numerics else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["cache_dir"] = str(self.cache_dir)
         return out
+
+
+def new_report(cache_dir: Path, *, checksums: bool) -> VerifyReport:
+    """An empty report for ``cache_dir`` with what its run recorded: the command (repairs) and the numerics."""
+    return VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir),
+                        numerics=read_numerics(cache_dir))
 
 
 def finish_report(report: VerifyReport) -> VerifyReport:
@@ -314,7 +330,7 @@ class CompareReport:
     identity: dict[str, tuple[Any, Any]]
     """Every identity field, (value in A, value in B)."""
     bookkeeping: dict[str, tuple[Any, Any]]
-    """Non-identity manifest fields (producer, layout), shown, never compared."""
+    """Non-identity manifest fields (producer, layout) and the recorded numerics, shown, never compared."""
     identity_diff: list[str]
     atol: float
     rtol: float

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ds_capture.cache.common.files import read_numerics
 from ds_capture.cache.common.names import shard_name
 from ds_capture.cache.common.verify import (
     CompareReport,
@@ -62,8 +63,9 @@ def compare_dspark_caches(a: Path, b: Path, *, atol: float | None, rtol: float |
         a=str(a), b=str(b),
         identity={name: (_plain(getattr(manifest_a, name)), _plain(getattr(manifest_b, name)))
                   for name in IDENTITY_FIELDS},
-        bookkeeping={name: (manifest_a.bookkeeping.get(name), manifest_b.bookkeeping.get(name))
-                     for name in sorted(set(manifest_a.bookkeeping) | set(manifest_b.bookkeeping))},
+        bookkeeping={**{name: (manifest_a.bookkeeping.get(name), manifest_b.bookkeeping.get(name))
+                        for name in sorted(set(manifest_a.bookkeeping) | set(manifest_b.bookkeeping))},
+                     "numerics": (read_numerics(a), read_numerics(b))},  # what the shards were computed with
         identity_diff=manifest_a.identity_diff(manifest_b),
         atol=default_atol if atol is None else atol,
         rtol=default_rtol if rtol is None else rtol,

@@ -20,7 +20,7 @@ import torch
 
 from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
-from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
+from ds_capture.cache.common.identity import continue_numerics, read_target_weights, refuse_changed_inputs
 from ds_capture.cache.common.names import DTYPES, MANIFEST_NAME
 from ds_capture.cache.common.rerun_check import check_complete_cache
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
@@ -93,8 +93,8 @@ class DSparkKind:
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
                        *, restart: bool, verify_checksums: bool) -> None:
         _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
-                        invalid_rows=self.cfg.capture.invalid_rows, restart=restart,
-                        verify_checksums=verify_checksums)
+                        invalid_rows=self.cfg.capture.invalid_rows, cpu_threads=self.cfg.capture.cpu_threads,
+                        restart=restart, verify_checksums=verify_checksums)
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
                 restart: bool, verify_checksums: bool) -> None:
@@ -145,8 +145,10 @@ def _reduced_depth(target: TargetInfo) -> dict:
 
 
 def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
-                    cache_dtype: str, invalid_rows: str, restart: bool, verify_checksums: bool) -> None:
-    """Rank 0: refuse a foreign or changed-input directory (read-only), take its lock, find finished shards
+                    cache_dtype: str, invalid_rows: str, cpu_threads: int | str, restart: bool,
+                    verify_checksums: bool) -> None:
+    """Rank 0: refuse a foreign or changed-input directory (read-only), settle the numerics (a rerun continues with
+    the recorded CPU thread count: ``prepared.numerics``), take its lock, find finished shards
     (of a complete cache: those that pass the rerun check), and unless every one is finished and the manifest
     says complete, write the target weights and the manifest with complete=false."""
     fingerprints = input_fingerprints(data_path, target.path, invalid_rows=invalid_rows)
@@ -155,6 +157,8 @@ def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path:
     existing = check_output_dir(out_dir, manifest)
     if existing is not None and not restart:
         refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
+    prepared.numerics, prepared.numerics_continued = continue_numerics(
+        out_dir, prepared.numerics, setting=cpu_threads, resuming=existing is not None and not restart)
     lock.acquire()
     prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
     if existing is not None and existing.complete and not restart:

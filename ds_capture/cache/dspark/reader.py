@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ds_capture.cache.common.files import describe_numerics, read_numerics
 from ds_capture.cache.common.names import MANIFEST_NAME, shard_name
 from ds_capture.cache.common.verify import (
     NEW_CACHE,
@@ -31,6 +32,7 @@ from ds_capture.cache.common.verify import (
     RESTART,
     VerifyReport,
     finish_report,
+    new_report,
     human_bytes,
     layout_mismatch,
     load_checked_shard,
@@ -59,7 +61,7 @@ def read_manifest(cache_dir: Path) -> Manifest:
 def verify_dspark_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     """Check every contract rule on the DSpark cache ``cache_dir``; ``checksums`` also re-hashes each shard."""
     cache_dir = Path(cache_dir)
-    report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
+    report = new_report(cache_dir, checksums=checksums)
     try:
         manifest = read_manifest(cache_dir)
     except CaptureError as err:
@@ -204,6 +206,7 @@ def inspect_dspark_cache(cache_dir: Path) -> dict[str, Any]:
             name: list(v) if isinstance(v := getattr(manifest, name), tuple) else v for name in IDENTITY_FIELDS
         },
         "bookkeeping": dict(manifest.bookkeeping),
+        "numerics": read_numerics(cache_dir),
     }
 
 
@@ -225,6 +228,7 @@ def format_dspark_inspect(info: dict[str, Any]) -> str:
         f"layers       {info['layers']} ({info['dtype']})",
         f"on disk      {human_bytes(info['bytes_on_disk'])} of {human_bytes(info['logical_bytes'])} logical "
         f"({info['padding_fraction']:.1%} of row positions are padding)",
+        f"numerics     {describe_numerics(info.get('numerics'))}",
         "identity:",
     ]
     width = max(len(k) for k in info["identity"])

@@ -24,7 +24,7 @@ import torch
 
 from ds_capture import __version__
 from ds_capture.cache.common.async_writer import AsyncShardWriter, MicroBatch
-from ds_capture.cache.common.identity import read_target_weights, refuse_changed_inputs
+from ds_capture.cache.common.identity import continue_numerics, read_target_weights, refuse_changed_inputs
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES
 from ds_capture.cache.common.rerun_check import check_complete_cache
 from ds_capture.cache.common.staging import HostStaging, slot_bytes
@@ -128,12 +128,16 @@ class Eagle3Kind:
 
     def prepare_output(self, prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock,
                        *, restart: bool, verify_checksums: bool) -> None:
-        """Rank 0, read-only until the lock: every identity field but the (not yet counted) vocabulary."""
+        """Rank 0, read-only until the lock: every identity field but the (not yet counted) vocabulary; the numerics
+        (a rerun continues with the recorded CPU thread count: ``prepared.numerics``)."""
         self.fingerprints = input_fingerprints(data_path, target.path, invalid_rows=self.cfg.capture.invalid_rows)
         existing = check_eagle3_output_dir(out_dir, prepared.manifest, skip=VOCAB_FIELDS)
         if existing is not None and not restart:
             recorded = (read_bookkeeping(out_dir, RUN_RECORD_NAME) or {}).get("inputs", {})
             refuse_changed_inputs(out_dir, recorded, self.fingerprints)
+        prepared.numerics, prepared.numerics_continued = continue_numerics(
+            out_dir, prepared.numerics, setting=self.cfg.capture.cpu_threads,
+            resuming=existing is not None and not restart)
         lock.acquire()
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ds_capture.cache.common.files import describe_numerics, read_numerics
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, MANIFEST_NAME, shard_name
 from ds_capture.cache.common.verify import (
     NEW_CACHE,
@@ -80,7 +81,7 @@ def completion(cache_dir: Path, manifest: Eagle3Manifest) -> tuple[bool, str]:
 
 def verify_eagle3_cache(cache_dir: Path, *, checksums: bool = False) -> VerifyReport:
     cache_dir = Path(cache_dir)
-    report = VerifyReport(cache_dir=cache_dir, checksums=checksums, run_command=recorded_run_command(cache_dir))
+    report = new_report(cache_dir, checksums=checksums)
     try:
         manifest = read_eagle3(cache_dir)
     except (CaptureError, OSError, UnicodeDecodeError) as err:
@@ -182,6 +183,7 @@ def inspect_eagle3_cache(cache_dir: Path) -> dict[str, Any]:
         "target_probs": f"top-{manifest.target_probs_topk}" if manifest.compressed else "full",
         "bytes_on_disk": sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file()),
         "identity": identity, "bookkeeping": read_bookkeeping(cache_dir, RUN_RECORD_NAME) or {},
+        "numerics": read_numerics(cache_dir),
     }
 
 
@@ -197,6 +199,7 @@ def format_eagle3_inspect(info: dict[str, Any]) -> str:
         f"aux layers   {info['layers']} ({info['dtype']})",
         f"target_probs {info['target_probs']} over a draft vocabulary of {info['draft_vocab_size']}",
         f"on disk      {human_bytes(info['bytes_on_disk'])}",
+        f"numerics     {describe_numerics(info.get('numerics'))}",
         "identity:",
     ]
     width = max(len(k) for k in info["identity"])
@@ -219,7 +222,8 @@ def compare_eagle3_caches(a: Path, b: Path, *, atol: float | None, rtol: float |
         a=str(a), b=str(b),
         identity={name: (plain(getattr(manifest_a, name)), plain(getattr(manifest_b, name))) for name in FIELD_NAMES},
         bookkeeping={"producer": ((read_bookkeeping(a, RUN_RECORD_NAME) or {}).get("producer"),
-                                  (read_bookkeeping(b, RUN_RECORD_NAME) or {}).get("producer"))},
+                                  (read_bookkeeping(b, RUN_RECORD_NAME) or {}).get("producer")),
+                     "numerics": (read_numerics(a), read_numerics(b))},
         identity_diff=manifest_a.identity_diff(manifest_b),
         atol=default_atol if atol is None else atol, rtol=default_rtol if rtol is None else rtol)
     if any(name in report.identity_diff for name in _SHAPE_FIELDS):
