@@ -30,7 +30,7 @@ from ds_capture.cache.common.files import (
     write_run_command,
     write_skipped_rows,
 )
-from ds_capture.cache.common.names import BOOKKEEPING_DIR, NUMERICS_NAME, SKIPPED_ROWS_NAME
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
 from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
@@ -50,6 +50,7 @@ from ds_capture.recipe.config import RunConfig
 from ds_capture.session import (
     build_target_model,
     distributed_target,
+    continue_recorded_numerics,
     plan_session,
     resolve_compute_dtype,
     select_cache_kind,
@@ -138,7 +139,8 @@ def _run_capture(cfg: RunConfig, env, stop: StopOnSignal, *, restart: bool, veri
     session = plan_session(cfg, env)
     threads = session_cpu_threads(cfg, env)
     numerics = run_numerics(compute_dtype=_DTYPE_NAMES[resolve_compute_dtype(cfg.capture.compute_dtype)],
-                            device="cpu" if threads is not None else "cuda", engine=cfg.engine, cpu_threads=threads)
+                            device="cpu" if threads is not None else "cuda", engine=cfg.engine, cpu_threads=threads,
+                            chunk_tokens=session.chunk_tokens)
     with distributed_target(cfg, env, session.plan):  # this rank computes with `threads` threads from here
         return _run(cfg, session.target, session.layer_ids, session.plan, stop, numerics, restart=restart,
                     verify_checksums=verify_checksums, show_progress=show_progress, chunk_tokens=session.chunk_tokens)
@@ -209,16 +211,10 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     manifest, rows_by_shard, pad_id = prepared.manifest, prepared.rows_by_shard, prepared.pad_id
     done_shards, already_complete, numerics = _broadcast_from_rank0(
         (prepared.done, prepared.already_complete, prepared.numerics))
-    if numerics["cpu_threads"] is not None:
-        # A rerun computes with the thread count the cache was begun with, at whatever world size it runs.
-        session_threads = torch.get_num_threads()  # capture.cpu_threads here (distributed_target applied it)
-        torch.set_num_threads(numerics["cpu_threads"])
-        if prepared.numerics_continued and not already_complete:
-            count = numerics["cpu_threads"]
-            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (%s/%s; here "
-                      "capture.cpu_threads: %s gives %d): its new shards match the earlier ones byte for byte",
-                      out_dir, count, "s" * (count != 1), BOOKKEEPING_DIR, NUMERICS_NAME, cfg.capture.cpu_threads,
-                      session_threads)
+    if not already_complete:
+        chunk_tokens = continue_recorded_numerics(numerics, out_dir, chunk_tokens=chunk_tokens,
+                                                  announce_threads=prepared.numerics_continued,
+                                                  threads_setting=cfg.capture.cpu_threads)
     if already_complete:
         # Nothing to recompute and nothing to republish: the directory is left exactly as it was.
         _LOG.info("%s already holds this complete cache; nothing to do (use --restart to recompute)", out_dir)

@@ -129,6 +129,28 @@ def build_target_model(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout,
                        expert_storage=cfg.capture.expert_storage)
 
 
+def continue_recorded_numerics(numerics: dict, out_dir, *, chunk_tokens: int | None, announce_threads: bool,
+                               threads_setting: int | str) -> int | None:
+    """Compute with the numerics a cache was begun with (its ``.ds_capture/numerics.json``, settled by the cache kind
+    on rank 0 and agreed by every rank): the CPU thread count and the chunked prefill's chunk, each announced in one
+    line where it is not this run's own setting. Returns the chunk to forward with."""
+    if numerics.get("chunk_tokens") != chunk_tokens:
+        # capture.chunked_prefill: auto over a cache begun with another setting continues with that one.
+        chunk_tokens = numerics.get("chunk_tokens")
+        _LOG.info("continuing %s with %s, as it was begun (.ds_capture/numerics.json): its new shards match the "
+                  "earlier ones", out_dir, f"chunks of {chunk_tokens} tokens" if chunk_tokens else "whole rows")
+    count = numerics["cpu_threads"]
+    if count is not None:
+        # A rerun computes with the thread count the cache was begun with, at whatever world size it runs.
+        session_threads = torch.get_num_threads()  # capture.cpu_threads here (distributed_target applied it)
+        torch.set_num_threads(count)
+        if announce_threads:
+            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (.ds_capture/"
+                      "numerics.json; here capture.cpu_threads: %s gives %d): its new shards match the earlier ones "
+                      "byte for byte", out_dir, count, "s" * (count != 1), threads_setting, session_threads)
+    return chunk_tokens
+
+
 class TargetForward:
     """One forward of the target with its hooks armed: what every rank runs for every micro-batch, in lockstep.
 

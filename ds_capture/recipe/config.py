@@ -234,7 +234,8 @@ class CaptureOptions:
     order, each layer carrying from the chunks before exactly the state its kind needs, so every captured tensor is
     the whole row's within float summation order; activations are bounded by the chunk, not the row), or ``auto``
     (whole rows: ``ds-capture plan`` does not choose a chunk yet). A chunk as long as the row is the whole row. A
-    chunk the family cannot take is refused before anything loads (docs/long_rows.md)."""
+    chunk the family cannot take is refused before anything loads (docs/long_rows.md). Recorded with the cache's
+    numerics: a rerun with ``auto`` continues with the recorded chunk, another setting is refused unless --restart."""
 
     def __post_init__(self) -> None:
         if self.expert_storage not in ("dequantized", "checkpoint"):

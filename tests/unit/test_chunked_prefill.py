@@ -205,3 +205,42 @@ def test_bad_settings_are_refused(write_recipe, value, message):
     with pytest.raises(CaptureError, match="capture.chunked_prefill") as caught:
         load_config(path)
     assert message in str(caught.value)
+
+
+def test_a_rerun_never_mixes_two_chunk_settings_in_one_cache(tiny_target, tmp_path, caplog):
+    """The chunk is recorded with the cache's numerics: auto continues with it, another setting is refused."""
+    from ds_capture.cache.registry import verify_cache
+
+    target = tiny_target("qwen3", num_hidden_layers=2)
+
+    def recipe(setting) -> Path:
+        path = tmp_path / f"r-{setting}.yaml"
+        path.write_text(yaml.safe_dump({
+            "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(long_data_rows(tmp_path)),
+                                cache_output_dir=str(tmp_path / "cache"), seq_length=512, micro_batch_size=1,
+                                cache_shard_size=1, cache_dtype="fp32"),
+            "capture": {"chunked_prefill": setting}}))
+        return path
+
+    run_capture(load_config(recipe(128)), show_progress=False)
+    assert json.loads((tmp_path / "cache" / ".ds_capture" / "numerics.json").read_text())["chunk_tokens"] == 128
+    assert "rows in chunks of 128 tokens" in verify_cache(tmp_path / "cache").summary()
+    first = (tmp_path / "cache" / "shard-000001.safetensors").read_bytes()
+    with pytest.raises(CaptureError) as caught:
+        run_capture(load_config(recipe("off")), show_progress=False)
+    assert str(caught.value) == (
+        f"{tmp_path / 'cache'} was begun with rows in chunks of 128 tokens (.ds_capture/numerics.json), and this run sets "
+        "capture.chunked_prefill: off: chunks sum each layer's attention and recurrences in another order, so shards "
+        "computed with the two settings differ in their last bits and cannot be mixed in one cache. Set "
+        "capture.chunked_prefill to 128 (or auto, which continues with the recorded setting) to continue this cache, "
+        "use a new cache_output_dir, or pass --restart to recompute every shard with the new setting.")
+    (tmp_path / "cache" / "shard-000001.safetensors").unlink()
+    with caplog.at_level("INFO", logger="ds_capture"):
+        run_capture(load_config(recipe("auto")), show_progress=False)
+    assert "with chunks of 128 tokens, as it was begun" in caplog.text
+    assert (tmp_path / "cache" / "shard-000001.safetensors").read_bytes() == first
+
+
+def long_data_rows(tmp_path: Path) -> Path:
+    path = tmp_path / "rows.jsonl"
+    return path if path.is_file() else long_rows(path, 2, conversations_per_row=20)

@@ -105,7 +105,8 @@ def test_a_run_records_its_numerics_and_a_rerun_over_the_cache_continues_with_th
     before = torch.get_num_threads()
     run(small_run, out, cpu_threads=1)
     assert torch.get_num_threads() == before  # the process's own count is back after the run
-    assert read_numerics(out) == {"compute_dtype": "fp32", "device": "cpu", "engine": "deepspeed", "cpu_threads": 1}
+    assert read_numerics(out) == {"compute_dtype": "fp32", "device": "cpu", "engine": "deepspeed", "cpu_threads": 1,
+                                  "chunk_tokens": None}
     shard = out / "shard-000001.safetensors"
     first = shard.read_bytes()
 
@@ -142,8 +143,9 @@ def test_a_run_records_its_numerics_and_a_rerun_over_the_cache_continues_with_th
     shutil.copytree(out, other)
     record(other, {**read_numerics(out), "cpu_threads": 3})
     lines = compare_caches(out, other, atol=0, rtol=0).format().splitlines()
-    assert "  numerics: A {'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', 'cpu_threads': 1} | B " \
-           "{'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', 'cpu_threads': 3}" in lines
+    assert "  numerics: A {'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', 'cpu_threads': 1, " \
+           "'chunk_tokens': None} | B {'compute_dtype': 'fp32', 'device': 'cpu', 'engine': 'deepspeed', " \
+           "'cpu_threads': 3, 'chunk_tokens': None}" in lines
     assert lines[-1] == "verdict: EQUAL within tolerance"
 
     # --restart recomputes every shard with this run's count, and records it (here over a cache begun with 3;

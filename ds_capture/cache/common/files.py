@@ -180,9 +180,12 @@ def read_numerics(out_dir: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def run_numerics(*, compute_dtype: str, device: str, engine: str, cpu_threads: int | None) -> dict:
-    """The numerics record of a run: ``cpu_threads`` None where the forward runs on a GPU (it changes no bit)."""
-    return {"compute_dtype": compute_dtype, "device": device, "engine": engine, "cpu_threads": cpu_threads}
+def run_numerics(*, compute_dtype: str, device: str, engine: str, cpu_threads: int | None,
+                 chunk_tokens: int | None = None) -> dict:
+    """The numerics record of a run: ``cpu_threads`` None where the forward runs on a GPU (it changes no bit);
+    ``chunk_tokens`` the chunked prefill's chunk (None: whole rows, as every cache recorded before it existed)."""
+    return {"compute_dtype": compute_dtype, "device": device, "engine": engine, "cpu_threads": cpu_threads,
+            "chunk_tokens": chunk_tokens}
 
 
 def describe_numerics(numerics: dict | None) -> str:
@@ -192,8 +195,9 @@ def describe_numerics(numerics: dict | None) -> str:
     threads = numerics.get("cpu_threads")
     where = (f"{threads} CPU thread{'s' * (threads != 1)} per rank" if isinstance(threads, int)
              else "CPU threads not part of them (GPU forward)")
+    chunk = numerics.get("chunk_tokens")
     return (f"compute {numerics.get('compute_dtype', '?')} on {numerics.get('device', '?')}, {where}, "
-            f"engine {numerics.get('engine', '?')}")
+            f"engine {numerics.get('engine', '?')}" + (f", rows in chunks of {chunk} tokens" if chunk else ""))
 
 
 def write_skipped_rows(out_dir: Path, rows: list[dict]) -> None:

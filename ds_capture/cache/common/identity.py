@@ -38,14 +38,21 @@ def refuse_changed_inputs(out_dir: Path, recorded: dict, current: dict) -> None:
         )
 
 
-def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resuming: bool) -> tuple[dict, bool]:
+def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resuming: bool,
+                      chunk_setting: int | str = "auto") -> tuple[dict, bool]:
     """The numerics this run computes with, and whether they are the cache's recorded ones (rank 0, read-only,
     before anything is written). ``current``: this run's :func:`~ds_capture.cache.common.files.run_numerics`. A
     rerun over a cache begun on CPU (``resuming``: the directory holds this cache and no ``--restart``) takes the
     CPU thread count recorded in ``.ds_capture/numerics.json``, at whatever world size it runs; an explicit
     ``capture.cpu_threads`` (``setting``) other than the recorded count is refused. A GPU forward, a cache without
-    a record (an earlier version) and a run that starts the cache keep ``current``."""
+    a record (an earlier version) and a run that starts the cache keep ``current``.
+
+    The chunked prefill's chunk likewise, on any device: a rerun with ``capture.chunked_prefill: auto`` continues
+    with the recorded chunk (a cache recorded without one was made of whole rows); another explicit setting is
+    refused, so one cache never mixes two chunk sizes."""
     recorded = (read_numerics(out_dir) if resuming else None) or {}
+    if recorded:
+        current = _continue_chunk(out_dir, current, recorded.get("chunk_tokens"), chunk_setting)
     threads = recorded.get("cpu_threads")
     if current["device"] != "cpu" or recorded.get("device") != "cpu" or not isinstance(threads, int):
         return current, False
@@ -59,6 +66,22 @@ def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resum
             "every shard with the new count."
         )
     return {**current, "cpu_threads": threads}, True
+
+
+def _continue_chunk(out_dir: Path, current: dict, chunk: int | None, setting: int | str) -> dict:
+    if current.get("chunk_tokens") == chunk:
+        return current
+    if setting == "auto":
+        return {**current, "chunk_tokens": chunk}
+    begun = f"rows in chunks of {chunk} tokens" if chunk else "whole rows"
+    keep = chunk if chunk else "off"
+    raise CaptureError(
+        f"{out_dir} was begun with {begun} ({BOOKKEEPING_DIR}/{NUMERICS_NAME}), and this run sets "
+        f"capture.chunked_prefill: {setting}: chunks sum each layer's attention and recurrences in another order, so "
+        "shards computed with the two settings differ in their last bits and cannot be mixed in one cache. Set "
+        f"capture.chunked_prefill to {keep} (or auto, which continues with the recorded setting) to continue this "
+        "cache, use a new cache_output_dir, or pass --restart to recompute every shard with the new setting."
+    )
 
 
 def read_target_weights(target: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,8 @@ class DSparkKind:
                        *, restart: bool, verify_checksums: bool) -> None:
         _prepare_output(prepared, target, out_dir, data_path, lock, cache_dtype=self.cfg.recipe_args.cache_dtype,
                         invalid_rows=self.cfg.capture.invalid_rows, cpu_threads=self.cfg.capture.cpu_threads,
-                        restart=restart, verify_checksums=verify_checksums)
+                        chunked_prefill=self.cfg.capture.chunked_prefill, restart=restart,
+                        verify_checksums=verify_checksums)
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
                 restart: bool, verify_checksums: bool) -> None:
@@ -145,8 +146,8 @@ def _reduced_depth(target: TargetInfo) -> dict:
 
 
 def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path: Path, lock: OutputLock, *,
-                    cache_dtype: str, invalid_rows: str, cpu_threads: int | str, restart: bool,
-                    verify_checksums: bool) -> None:
+                    cache_dtype: str, invalid_rows: str, cpu_threads: int | str, chunked_prefill: int | str,
+                    restart: bool, verify_checksums: bool) -> None:
     """Rank 0: refuse a foreign or changed-input directory (read-only), settle the numerics (a rerun continues with
     the recorded CPU thread count: ``prepared.numerics``), take its lock, find finished shards
     (of a complete cache: those that pass the rerun check), and unless every one is finished and the manifest
@@ -158,7 +159,8 @@ def _prepare_output(prepared: Any, target: TargetInfo, out_dir: Path, data_path:
     if existing is not None and not restart:
         refuse_changed_inputs(out_dir, existing.bookkeeping.get("inputs", {}), fingerprints)
     prepared.numerics, prepared.numerics_continued = continue_numerics(
-        out_dir, prepared.numerics, setting=cpu_threads, resuming=existing is not None and not restart)
+        out_dir, prepared.numerics, setting=cpu_threads, resuming=existing is not None and not restart,
+        chunk_setting=chunked_prefill)
     lock.acquire()
     prepared.done = prepare_output_dir(out_dir, manifest, restart=restart)
     if existing is not None and existing.complete and not restart:

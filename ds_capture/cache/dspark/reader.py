@@ -40,7 +40,6 @@ from ds_capture.cache.common.verify import (
     load_whole_file,
     padding_lengths,
     read_manifest_text,
-    recorded_run_command,
     shard_indices,
     value_problem_repair,
     verify_shards,

@@ -137,7 +137,7 @@ class Eagle3Kind:
             refuse_changed_inputs(out_dir, recorded, self.fingerprints)
         prepared.numerics, prepared.numerics_continued = continue_numerics(
             out_dir, prepared.numerics, setting=self.cfg.capture.cpu_threads,
-            resuming=existing is not None and not restart)
+            resuming=existing is not None and not restart, chunk_setting=self.cfg.capture.chunked_prefill)
         lock.acquire()
 
     def publish(self, prepared: Any, target: TargetInfo, plan: ParallelLayout, out_dir: Path, *,
