@@ -81,9 +81,12 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
                       num_key_value_heads=target.tp_key_value_heads)
     chunk_tokens = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length,
                                         source=cfg.source)
-    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only).
-    refuse_if_not_fitting(cfg, world_size=env.world_size,
-                          compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
+    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only);
+    # with a budget, chunked_prefill: auto forwards in the chunk that made plan's verdict fit.
+    planned = refuse_if_not_fitting(cfg, world_size=env.world_size,
+                                    compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
+    if cfg.capture.chunked_prefill == "auto":
+        chunk_tokens = planned
     return SessionPlan(target=target, layer_ids=layer_ids, plan=plan, chunk_tokens=chunk_tokens)
 
 

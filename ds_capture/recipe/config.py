@@ -233,7 +233,8 @@ class CaptureOptions:
     """How a row is forwarded: ``off`` (whole, as one forward), ``<tokens>`` (in chunks of that many tokens, in
     order, each layer carrying from the chunks before exactly the state its kind needs, so every captured tensor is
     the whole row's within float summation order; activations are bounded by the chunk, not the row), or ``auto``
-    (whole rows: ``ds-capture plan`` does not choose a chunk yet). A chunk as long as the row is the whole row. A
+    (whole rows where ``ds-capture plan`` says they fit the GPU budget or no budget is known, else the largest of
+    S/2, S/4, ... that fits). A chunk as long as the row is the whole row. A
     chunk the family cannot take is refused before anything loads (docs/long_rows.md). Recorded with the cache's
     numerics: a rerun with ``auto`` continues with the recorded chunk, another setting is refused unless --restart."""
 

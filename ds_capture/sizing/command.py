@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ds_capture.capture.chunked import resolve_chunk_tokens
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.layout import build_layout, check_family_layout, resolve_degrees
@@ -60,6 +61,10 @@ class PlanReport:
     cache: dict[str, Any]
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     storage_alternatives: list[dict[str, Any]] = field(default_factory=list)
+    chunk_tokens: int | None = None
+    """``capture.chunked_prefill`` as plan sizes it: the configured chunk, ``auto``'s choice, or None (whole rows)."""
+    carried_state: dict[str, Any] | None = None
+    """Under chunked prefill: one row's carried state per rank (bytes) and how it was found (counted / bound)."""
 
     @property
     def worst(self) -> RankEstimate:
@@ -94,7 +99,8 @@ class PlanReport:
                        "dp_size": self.layout.dp_size, "tp_size": self.layout.tp_size,
                        "ep_size": self.layout.ep_size, "zero_stage": self.layout.zero_stage,
                        "micro_batch_size": self.layout.micro_batch_size,
-                       "seq_length": self.seq_length},
+                       "seq_length": self.seq_length, "chunk_tokens": self.chunk_tokens},
+            "carried_state": self.carried_state,
             "compute_dtype": self.compute_dtype, "cache_dtype": self.cache_dtype, "layer_ids": self.layer_ids,
             "expert_storage": {"format": self.expert_storage.format, "detail": self.expert_storage.detail},
             "gpu_memory_bytes": int(self.budget_bytes), "gpu_memory_source": self.budget_source,
@@ -146,20 +152,26 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     _validate_layout(target, layout)
     storage = _configured_storage(cfg, target, partitioned_ep=_partitioned_ep(layout))
     sizer = Sizer(cfg, target, layer_ids, dtype_name, tp_grain_size(cfg.deepspeed_config))
-    ranks, largest, stack = sizer.ranks(layout, storage)
+    chunk = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length, source=cfg.source)
+    ranks, largest, stack = sizer.ranks(layout, storage, chunk)
+    if cfg.capture.chunked_prefill == "auto" and max(r.peak_bytes for r in ranks) > budget:
+        chunk, (ranks, largest, stack) = _largest_fitting_chunk(sizer, layout, storage, budget, target, args.seq_length,
+                                                                (ranks, largest, stack))
     report = PlanReport(
         source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
         seq_length=args.seq_length, layer_ids=layer_ids, budget_bytes=budget, budget_source=budget_source,
         expert_storage=storage, total_params=sizer.table(layout.sharding, tp_size, ep_size, world_size).total_params,
         ranks=ranks, activation_largest=largest,
-        activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset),
+        activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset), chunk_tokens=chunk,
+        carried_state=({"bytes_per_row": sizer.carried_state(tp_size).bytes_per_row,
+                        "how": sizer.carried_state(tp_size).how} if chunk else None),
     )
     checkpoint = (None if target.family.is_nemo and not _partitioned_ep(layout)  # NeMo's experts resident only there
                   else mm.checkpoint_expert_storage(target_quantization(target)))
     if checkpoint is not None and checkpoint.bytes_per_param is not None:
         for option in (mm.COMPUTE_STORAGE, checkpoint):
             if option.format != storage.format:
-                worst = max(sizer.ranks(layout, option)[0], key=lambda r: r.peak_bytes)
+                worst = max(sizer.ranks(layout, option, chunk)[0], key=lambda r: r.peak_bytes)
                 report.storage_alternatives.append({
                     "expert_storage": "checkpoint" if option is checkpoint else "dequantized", "format": option.format,
                     "detail": option.detail, "param_bytes": int(worst.param_bytes),
@@ -168,6 +180,24 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         report.alternatives = sizer.fitting_layouts(layout, storage, budget,
                                                     validate=lambda candidate: _validate_layout(target, candidate))
     return report
+
+
+def _largest_fitting_chunk(sizer: Sizer, layout: Layout, storage: mm.ExpertStorage, budget: float,
+                           target: TargetInfo, seq_length: int, whole: tuple) -> tuple[int | None, tuple]:
+    """``chunked_prefill: auto`` where whole rows do not fit: the largest of S/2, S/4, ... (each a multiple of what
+    the family's layer kinds need, at least 256 tokens) that fits; whole rows (and plan's verdict on them) if none
+    does, or if the family carries no state between chunks."""
+    family = target.family
+    if family.chunk_refusal:
+        return None, whole
+    multiple = max(family.chunk_multiple, 64)
+    chunk = seq_length // 2 // multiple * multiple
+    while chunk >= max(256, multiple):
+        estimate = sizer.ranks(layout, storage, chunk)
+        if max(r.peak_bytes for r in estimate[0]) <= budget:
+            return chunk, estimate
+        chunk = chunk // 2 // multiple * multiple
+    return None, whole
 
 
 def resolve_budget(cfg: RunConfig, gpu_memory_gib: float | None) -> tuple[float, str]:
@@ -183,22 +213,24 @@ def resolve_budget(cfg: RunConfig, gpu_memory_gib: float | None) -> tuple[float,
     return mm.DEFAULT_GPU_MEMORY_GIB * mm.GIB, "no CUDA device here: an 80 GB GPU"
 
 
-def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype) -> None:
-    """``run``'s check before any weight loads: plan's verdict for this world, a ``CaptureError`` if it does not fit.
+def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype) -> int | None:
+    """``run``'s check before any weight loads: plan's verdict for this world, a ``CaptureError`` if it does not fit;
+    else plan's chunk (``capture.chunked_prefill``; for ``auto``, the chunk that made it fit; None: whole rows).
 
     The budget is ``capture.gpu_memory_gib`` or, on a CUDA machine, the device's total memory; on a CPU-only
     machine without the key nothing is checked (host memory is not what plan sizes).
     """
     if cfg.capture.gpu_memory_gib is None and not torch.cuda.is_available():
-        return
+        return None
     if cfg.capture.gpu_memory_gib == 0:
-        return
+        return None
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype]
     report = plan_capture(cfg, world_size=world_size, compute_dtype=name, suggest=True, count_dataset=False)
     if not report.fits:
         raise CaptureError(
             f"{cfg.source}: {report.reason()}. Nothing was loaded. Choose a layout that fits (ds-capture plan -c "
             f"{cfg.source} shows every rank), lower recipe_args.micro_batch_size, or set capture.gpu_memory_gib.")
+    return report.chunk_tokens
 
 
 def target_quantization(target: TargetInfo) -> dict | None:

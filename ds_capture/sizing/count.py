@@ -20,6 +20,7 @@ import torch
 
 from ds_capture.errors import CaptureError
 from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.carried_state import CarriedState, carried_state_bytes
 from ds_capture.target.families import TargetInfo
 
 KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
@@ -261,7 +262,9 @@ class Sizer:
             expert_intermediate=intermediate, vocab_size=self.target.vocab_size)
 
     # -- ranks ---------------------------------------------------------------------------------------------------
-    def ranks(self, layout: Layout, storage: mm.ExpertStorage) -> tuple[list[RankEstimate], mm.Term, list[mm.Term]]:
+    def ranks(self, layout: Layout, storage: mm.ExpertStorage, chunk_tokens: int | None = None
+              ) -> tuple[list[RankEstimate], mm.Term, list[mm.Term]]:
+        """Every rank's estimate; ``chunk_tokens``: rows forwarded in chunks of that many tokens (None: whole)."""
         args = self.cfg.recipe_args
         table = self.table(layout.sharding, layout.tp_size, layout.ep_size, layout.world_size)
         c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
@@ -274,7 +277,9 @@ class Sizer:
             keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
             indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
             bias_bytes=family.attention_bias(text, B, S) if family.attention_bias else 0,
-            dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0)
+            dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
+            chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state(layout.tp_size).bytes_per_row
+            if chunk_tokens and chunk_tokens < S else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
@@ -308,6 +313,11 @@ class Sizer:
                 gather_name="ZeRO-3 gathered modules" if zero3 else "FSDP2 all-gathered layers",
                 host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
+
+    def carried_state(self, tp_size: int) -> CarriedState:
+        """One row's carried state under chunked prefill, on a rank of ``tp_size`` (a meta forward, counted once)."""
+        return carried_state_bytes(self.target, self.cfg.recipe_args.seq_length, DTYPE_BYTES[self.compute_dtype],
+                                   tp_size=tp_size, attn_implementation=self.cfg.recipe_args.target_attn_implementation)
 
     @staticmethod
     def _layer_experts_bytes(table: _Table) -> int:

@@ -136,7 +136,8 @@ class Term:
 def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_length: int, compute_bytes: int,
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
-                             dequantized_experts_bytes: int = 0) -> tuple[list[Term], Term]:
+                             dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
+                             carried_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -147,19 +148,28 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     dense attention bias alive with the attention (DeepSeek-V4.1's fp32 ``[B, H, S, S + W + 1]``);
     ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
     experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
+    ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
+    row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
+    (:mod:`ds_capture.sizing.carried_state`).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
     checks the estimate against a measured forward (at least the peak, at most 3x it).
     """
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
-    T = B * S
+    Q = min(chunk_tokens or S, S)  # queries per forward: the chunk's, or the whole row's
+    T = B * Q
+    indexer_bytes, bias_bytes = indexer_bytes * Q // S, bias_bytes * Q // S  # their rows are the queries
     stack = [
         Term("residual stream", 3 * T * H * shapes.residual_streams * c,
              f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),
-        Term("attention mask", B * S * S, "the model's [B, 1, S, S] boolean causal mask (sliding windows, eager "
-                                        "attention; sdpa without a window needs none: no padding mask is passed)"),
+        Term("attention mask", B * Q * S, "the model's [B, 1, S, S] boolean causal mask (sliding windows, eager "
+                                        "attention; sdpa without a window needs none: no padding mask is passed)"
+             if Q == S else f"the model's [B, 1, {Q}, S] boolean mask of a chunk against its prefix"),
     ]
+    if Q < S:
+        stack.append(Term("carried state", carried_bytes, f"chunked prefill: what each layer carries from the row's "
+                                                          f"earlier chunks of {Q} tokens, at S"))
     attention = 2 * T * shapes.attention_outputs * c
     note = "2 x every attention projection's output (q, kv, o, indexer...) on this rank"
     if fp32_row_parallel and tp_size > 1:
@@ -168,10 +178,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     scores = 0
     if attn_implementation == "eager":
         keys = int(S * keys_per_query)
-        scores = eager_scores_bytes(B, shapes.attention_heads, S, keys, c)
+        scores = eager_scores_bytes(B, shapes.attention_heads, Q, keys, c)
         if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
             scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
-        note += f" + eager attention's [B, {shapes.attention_heads}, S, {keys}] scores (3 live copies)"
+        note += f" + eager attention's [B, {shapes.attention_heads}, {'S' if Q == S else Q}, {keys}] scores (3 live copies)"
     if bias_bytes:
         scores += bias_bytes
         note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"

@@ -24,6 +24,10 @@ def format_report(report: Any) -> str:
         f"cache {report.cache_dtype}; experts stored as {report.expert_storage.format} "
         f"({report.expert_storage.detail}); layer ids {report.layer_ids}",
         f"  budget: {_gib(report.budget_bytes)} per GPU ({report.budget_source})",
+        *([f"  chunked prefill: rows forwarded in chunks of {report.chunk_tokens} tokens; each row's carried state "
+           f"{_gib(report.carried_state['bytes_per_row'])} per rank at S ({report.carried_state['how']}: "
+           + ("a meta forward's cache" if report.carried_state["how"] == "counted"
+              else "keys and values of every layer, an upper bound") + ")"] if report.chunk_tokens else []),
         "",
         "  per rank, GiB (parameters counted from the sharded meta model; activations are an estimate):",
         "  " + f"{'ranks':>24} " + " ".join(f"{h:>10}" for h in [*(_SHORT[k] for k in KINDS), "params", "activ.", "capture",

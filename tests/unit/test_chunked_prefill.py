@@ -244,3 +244,58 @@ def test_a_rerun_never_mixes_two_chunk_settings_in_one_cache(tiny_target, tmp_pa
 def long_data_rows(tmp_path: Path) -> Path:
     path = tmp_path / "rows.jsonl"
     return path if path.is_file() else long_rows(path, 2, conversations_per_row=20)
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+COUNTED_CI = {"qwen3_next", "deepseek_v4"}
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m in COUNTED_CI else pytest.mark.slow)
+                                        for m in FAMILIES])
+def test_plan_counts_the_carried_state_a_real_forward_holds(family_target, model_type):
+    """plan's carried state (a meta forward's cache, scaled from bf16) is at least what a real fp32 forward's cache
+    holds, and equal to it where nothing in the cache is kept in fp32 whatever the dtype; families whose forward
+    cannot run on meta (Gemma 4, GLM-5-Next) get the config's bound, which must hold too."""
+    from ds_capture.sizing.carried_state import _collect, carried_state_bytes
+    from ds_capture.target.families import read_target_info
+    from tests.unit.test_families import reference_model
+
+    target = family_target(model_type)
+    counted = carried_state_bytes(read_target_info(target), 512, 4)
+    model = reference_model(target, model_type)
+    with torch.no_grad():
+        output = model(input_ids=torch.randint(3, 500, (1, 512)), use_cache=True, logits_to_keep=1)
+    tensors: dict = {}
+    _collect(output.cache, tensors, depth=0)
+    real = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert counted.how == ("bound" if model_type in ("gemma4", "glm5_next") else "counted")
+    assert real <= counted.bytes_per_row <= (5 * real if counted.how == "bound" else 1.1 * real), (counted, real)
+
+
+def _plan(tiny_target, tmp_path, chunked_prefill, gpu_memory_gib: float):
+    from ds_capture.sizing.command import plan_capture
+
+    path = tmp_path / f"plan-{chunked_prefill}.yaml"
+    path.write_text(yaml.safe_dump({
+        "recipe_args": dict(target_model_name_or_path=str(tiny_target("qwen3_next")), train_data_path="demo:conversations",
+                            cache_output_dir=str(tmp_path / "out"), seq_length=16384, micro_batch_size=1,
+                            cache_shard_size=1),
+        "capture": {"chunked_prefill": chunked_prefill}}))
+    return plan_capture(load_config(path), world_size=1, gpu_memory_gib=gpu_memory_gib, suggest=False,
+                        count_dataset=False)
+
+
+def test_plan_sizes_a_chunk_against_the_whole_row_and_auto_takes_the_largest_that_fits(tiny_target, tmp_path):
+    whole = _plan(tiny_target, tmp_path, "off", 80)
+    chunked = _plan(tiny_target, tmp_path, 1024, 80)
+    assert whole.chunk_tokens is None and chunked.chunk_tokens == 1024
+    terms = {term.name: term.bytes for term in chunked.activation_terms}
+    assert terms["carried state"] == chunked.carried_state["bytes_per_row"] > 0
+    assert chunked.worst.activation_bytes < whole.worst.activation_bytes
+    # A budget between the two: auto keeps whole rows where they fit, else takes the largest chunk that fits.
+    assert _plan(tiny_target, tmp_path, "auto", 80).chunk_tokens is None
+    budget = (whole.worst.peak_bytes + chunked.worst.peak_bytes) / 2 / 2**30
+    auto = _plan(tiny_target, tmp_path, "auto", budget)
+    assert auto.fits and auto.chunk_tokens is not None and auto.chunk_tokens % 64 == 0
+    assert not _plan(tiny_target, tmp_path, auto.chunk_tokens * 2, budget).fits or auto.chunk_tokens * 2 >= 16384
+    assert "chunked prefill: rows forwarded in chunks of" in auto.format()

@@ -1,0 +1,83 @@
+"""The state a chunked prefill carries from one chunk to the next, counted on the meta device.
+
+In: the target (its family and ``config.json``), the row length S and the compute dtype. Out: the bytes one row's
+carried state holds on a rank once its last chunk ran (:func:`carried_state_bytes`), and how they were found.
+
+Counted, not estimated, where the target's own forward runs on the meta device: it runs once over S tokens with its
+cache on, and the cache's tensors are summed. Transformers' cache layers are the carriers
+(:mod:`ds_capture.capture.chunked`), so this is exactly what they hold: the prefix's keys and values, a window's
+tail, MLA's latent, DSA's index keys, DeepSeek-V4's compressor buffers, Gated DeltaNet / KDA recurrent and
+convolution state. Measured against a real forward on every tiny family that runs on meta: equal to the byte. The
+meta forward runs in bf16 (the meta kernel of grouped experts takes nothing else) and is scaled to the compute
+dtype. A family whose forward takes a data-dependent step (Gemma 4's ``.item()``, GLM-5-Next's ``nonzero``) gets an
+upper bound from its config instead: keys and values of every layer at S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_capture.target.families import TargetInfo
+
+
+@dataclass(frozen=True)
+class CarriedState:
+    bytes_per_row: int
+    """One row's carried state at S on one rank (every TP rank holds its heads' share)."""
+    how: str
+    """``counted`` (a meta forward's cache) or ``bound`` (keys and values of every layer, from the config)."""
+
+
+_COUNTED: dict[tuple, CarriedState] = {}
+
+
+def carried_state_bytes(target: TargetInfo, seq_length: int, compute_bytes: int, *, tp_size: int = 1,
+                        attn_implementation: str | None = None) -> CarriedState:
+    """One row's carried state at ``seq_length`` on a rank of ``tp_size`` (cached per target and length)."""
+    key = (str(target.path), target.num_hidden_layers, seq_length, compute_bytes, tp_size, attn_implementation)
+    if key not in _COUNTED:
+        try:
+            total, how = _count_on_meta(target, seq_length, attn_implementation) * compute_bytes // 2, "counted"
+        except Exception:  # noqa: BLE001 - any step that cannot run on meta: the config's bound instead
+            total, how = _bound_from_config(target, seq_length, compute_bytes), "bound"
+        _COUNTED[key] = CarriedState(bytes_per_row=total // tp_size, how=how)
+    return _COUNTED[key]
+
+
+def _count_on_meta(target: TargetInfo, seq_length: int, attn_implementation: str | None) -> int:
+    from ds_capture.target.loading import build_meta_model
+
+    model = build_meta_model(target, dtype=torch.bfloat16, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        output = model(input_ids=torch.zeros(1, seq_length, dtype=torch.int64, device="meta"), use_cache=True,
+                       logits_to_keep=1)
+    tensors: dict[int, torch.Tensor] = {}
+    _collect(output.cache, tensors, depth=0)
+    if not tensors:
+        raise RuntimeError("the forward returned no cache")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _collect(value, into: dict[int, torch.Tensor], depth: int) -> None:
+    # A cache is a tree of layer objects holding tensors (and lists / dicts of them); each tensor counted once.
+    if depth > 6:
+        return
+    if isinstance(value, torch.Tensor):
+        into[id(value)] = value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, into, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, into, depth + 1)
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+        for item in vars(value).values():
+            _collect(item, into, depth + 1)
+
+
+def _bound_from_config(target: TargetInfo, seq_length: int, compute_bytes: int) -> int:
+    heads = target.num_key_value_heads or target.num_attention_heads
+    return 2 * target.num_hidden_layers * seq_length * heads * (target.hidden_size // target.num_attention_heads) \
+        * compute_bytes
