@@ -47,7 +47,9 @@ def table_row(command: str, report) -> str:
     name, value = report.largest_consumer()
     verdict = "fits" if report.fits else "**does not fit**"
     release = command.split("release_configs/")[1].split()[0]
-    return (f"| {release} | {report.layout.describe()}, experts as {report.expert_storage.format} | " + " | ".join(f"{v:.1f}" for v in kinds)
+    chunks = f", rows in chunks of {report.chunk_tokens}" if report.chunk_tokens else ""
+    return (f"| {release} | {report.layout.describe()}, experts as {report.expert_storage.format}{chunks} | "
+            + " | ".join(f"{v:.1f}" for v in kinds)
             + f" | {worst.param_bytes / gib:.1f} | {worst.activation_bytes / gib:.1f} ({report.activation_largest.name})"
             f" | {worst.capture_bytes / gib:.1f} | {worst.reserve_bytes / gib:.1f} | {worst.fsdp2_gather_bytes / gib:.1f}"
             f" | {worst.peak_bytes / gib:.1f} of "

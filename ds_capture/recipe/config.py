@@ -229,7 +229,7 @@ class CaptureOptions:
     """Quantized checkpoints: ``dequantized`` (every weight dequantized to the compute dtype on load) or
     ``checkpoint`` (routed experts stay resident in the checkpoint's FP8 / FP4 / INT4 format and are
     dequantized per expert just before its matmul; same cache bit for bit, less memory)."""
-    chunked_prefill: int | str = "auto"
+    chunked_prefill: int | str | bool = "auto"
     """How a row is forwarded: ``off`` (whole, as one forward), ``<tokens>`` (in chunks of that many tokens, in
     order, each layer carrying from the chunks before exactly the state its kind needs, so every captured tensor is
     the whole row's within float summation order; activations are bounded by the chunk, not the row), or ``auto``
@@ -258,6 +258,10 @@ class CaptureOptions:
             raise ValueError(f"must be >= 0 (0: no check), got {self.gpu_memory_gib}", "gpu_memory_gib")
         if self.metrics_interval_steps < 1:
             raise ValueError(f"must be >= 1, got {self.metrics_interval_steps}", "metrics_interval_steps")
+        if self.chunked_prefill is False:  # YAML 1.1 reads a bare `off` as false
+            object.__setattr__(self, "chunked_prefill", "off")
+        if self.chunked_prefill is True:
+            raise ValueError("must be auto, off or a number of tokens, got true", "chunked_prefill")
         if isinstance(self.chunked_prefill, str) and self.chunked_prefill not in ("auto", "off"):
             raise ValueError(f"must be auto, off or a number of tokens, got {self.chunked_prefill!r}", "chunked_prefill")
         if isinstance(self.chunked_prefill, int) and self.chunked_prefill < 1:

@@ -7,9 +7,9 @@ Counted, not estimated, where the target's own forward runs on the meta device: 
 cache on, and the cache's tensors are summed. Transformers' cache layers are the carriers
 (:mod:`ds_capture.capture.chunked`), so this is exactly what they hold: the prefix's keys and values, a window's
 tail, MLA's latent, DSA's index keys, DeepSeek-V4's compressor buffers, Gated DeltaNet / KDA recurrent and
-convolution state. Measured against a real forward on every tiny family that runs on meta: equal to the byte. The
-meta forward runs in bf16 (the meta kernel of grouped experts takes nothing else) and is scaled to the compute
-dtype. A family whose forward takes a data-dependent step (Gemma 4's ``.item()``, GLM-5-Next's ``nonzero``) gets an
+convolution state. Measured against a real forward on every tiny family that runs on meta: equal to the byte, or a
+few bytes over. The meta forward runs in bf16 (the meta kernel of grouped experts takes nothing else); what it keeps
+in bf16 is scaled to the compute dtype, what transformers keeps in fp32 whatever the dtype is counted as it is. A family whose forward takes a data-dependent step (Gemma 4's ``.item()``, GLM-5-Next's ``nonzero``) gets an
 upper bound from its config instead: keys and values of every layer at S.
 """
 
@@ -25,7 +25,8 @@ from ds_capture.target.families import TargetInfo
 @dataclass(frozen=True)
 class CarriedState:
     bytes_per_row: int
-    """One row's carried state at S on one rank (every TP rank holds its heads' share)."""
+    """One row's carried state at S on one rank: the whole model's, whatever the TP degree (MLA's latent and DSA's
+    index keys are whole on every TP rank; a GQA layer's share would be 1/tp of it, so under TP this is a bound)."""
     how: str
     """``counted`` (a meta forward's cache) or ``bound`` (keys and values of every layer, from the config)."""
 
@@ -33,20 +34,20 @@ class CarriedState:
 _COUNTED: dict[tuple, CarriedState] = {}
 
 
-def carried_state_bytes(target: TargetInfo, seq_length: int, compute_bytes: int, *, tp_size: int = 1,
+def carried_state_bytes(target: TargetInfo, seq_length: int, compute_bytes: int, *,
                         attn_implementation: str | None = None) -> CarriedState:
-    """One row's carried state at ``seq_length`` on a rank of ``tp_size`` (cached per target and length)."""
-    key = (str(target.path), target.num_hidden_layers, seq_length, compute_bytes, tp_size, attn_implementation)
+    """One row's carried state at ``seq_length`` on any rank (cached per target and length)."""
+    key = (str(target.path), target.num_hidden_layers, seq_length, compute_bytes, attn_implementation)
     if key not in _COUNTED:
         try:
-            total, how = _count_on_meta(target, seq_length, attn_implementation) * compute_bytes // 2, "counted"
+            total, how = _count_on_meta(target, seq_length, compute_bytes, attn_implementation), "counted"
         except Exception:  # noqa: BLE001 - any step that cannot run on meta: the config's bound instead
             total, how = _bound_from_config(target, seq_length, compute_bytes), "bound"
-        _COUNTED[key] = CarriedState(bytes_per_row=total // tp_size, how=how)
+        _COUNTED[key] = CarriedState(bytes_per_row=total, how=how)
     return _COUNTED[key]
 
 
-def _count_on_meta(target: TargetInfo, seq_length: int, attn_implementation: str | None) -> int:
+def _count_on_meta(target: TargetInfo, seq_length: int, compute_bytes: int, attn_implementation: str | None) -> int:
     from ds_capture.target.loading import build_meta_model
 
     model = build_meta_model(target, dtype=torch.bfloat16, attn_implementation=attn_implementation)
@@ -57,7 +58,9 @@ def _count_on_meta(target: TargetInfo, seq_length: int, attn_implementation: str
     _collect(output.cache, tensors, depth=0)
     if not tensors:
         raise RuntimeError("the forward returned no cache")
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    # What the forward keeps in its compute dtype scales with it; what transformers keeps in fp32 whatever the dtype
+    # (linear attention's recurrent state) does not.
+    return sum(t.numel() * (compute_bytes if t.dtype == torch.bfloat16 else t.element_size()) for t in tensors.values())
 
 
 def _collect(value, into: dict[int, torch.Tensor], depth: int) -> None:

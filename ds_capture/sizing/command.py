@@ -65,6 +65,8 @@ class PlanReport:
     """``capture.chunked_prefill`` as plan sizes it: the configured chunk, ``auto``'s choice, or None (whole rows)."""
     carried_state: dict[str, Any] | None = None
     """Under chunked prefill: one row's carried state per rank (bytes) and how it was found (counted / bound)."""
+    chunked_prefill: int | str = "auto"
+    """The configured setting (``auto``: plan chose ``chunk_tokens``)."""
 
     @property
     def worst(self) -> RankEstimate:
@@ -163,8 +165,9 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         expert_storage=storage, total_params=sizer.table(layout.sharding, tp_size, ep_size, world_size).total_params,
         ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset), chunk_tokens=chunk,
-        carried_state=({"bytes_per_row": sizer.carried_state(tp_size).bytes_per_row,
-                        "how": sizer.carried_state(tp_size).how} if chunk else None),
+        chunked_prefill=cfg.capture.chunked_prefill,
+        carried_state=({"bytes_per_row": sizer.carried_state().bytes_per_row,
+                        "how": sizer.carried_state().how} if chunk else None),
     )
     checkpoint = (None if target.family.is_nemo and not _partitioned_ep(layout)  # NeMo's experts resident only there
                   else mm.checkpoint_expert_storage(target_quantization(target)))

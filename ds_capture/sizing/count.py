@@ -278,7 +278,7 @@ class Sizer:
             indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
             bias_bytes=family.attention_bias(text, B, S) if family.attention_bias else 0,
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
-            chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state(layout.tp_size).bytes_per_row
+            chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row
             if chunk_tokens and chunk_tokens < S else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
@@ -314,10 +314,10 @@ class Sizer:
                 host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
 
-    def carried_state(self, tp_size: int) -> CarriedState:
-        """One row's carried state under chunked prefill, on a rank of ``tp_size`` (a meta forward, counted once)."""
+    def carried_state(self) -> CarriedState:
+        """One row's carried state under chunked prefill, on any rank (a meta forward, counted once)."""
         return carried_state_bytes(self.target, self.cfg.recipe_args.seq_length, DTYPE_BYTES[self.compute_dtype],
-                                   tp_size=tp_size, attn_implementation=self.cfg.recipe_args.target_attn_implementation)
+                                   attn_implementation=self.cfg.recipe_args.target_attn_implementation)
 
     @staticmethod
     def _layer_experts_bytes(table: _Table) -> int:

@@ -117,8 +117,10 @@ def header_lines(report: Any) -> list[str]:
     kinds = ", ".join(f"{_SHORT[k]} {worst.param_bytes_by_kind[k] / mm.GIB:.1f}" for k in KINDS)
     name, value = report.largest_consumer()
     lines = [
-        f"#     {t.model_type} {report.total_params / 1e9:.1f}B, {report.layout.describe()} x {report.seq_length}, "
-        f"compute {report.compute_dtype}, experts as {report.expert_storage.format}",
+        f"#     {t.model_type} {report.total_params / 1e9:.1f}B, {report.layout.describe()} x {report.seq_length}"
+        + (f" in chunks of {report.chunk_tokens} (chunked_prefill: {report.chunked_prefill}; carried state "
+           f"{report.carried_state['bytes_per_row'] / mm.GIB:.2f} per row)" if report.chunk_tokens else "")
+        + f", compute {report.compute_dtype}, experts as {report.expert_storage.format}",
         f"#     per rank (GiB): params {worst.param_bytes / mm.GIB:.1f} ({kinds})",
         f"#       + activations ~{worst.activation_bytes / mm.GIB:.1f} (estimate; largest: {report.activation_largest.name})"
         f" + capture {worst.capture_bytes / mm.GIB:.1f} + reserve {worst.reserve_bytes / mm.GIB:.1f}"

@@ -193,8 +193,16 @@ def test_a_chunk_that_splits_linear_attention_blocks_is_refused():
     assert resolve_chunk_tokens(300, get_family("qwen3"), 2048, source="r.yaml") == 300
 
 
+def test_a_bare_yaml_off_is_off(write_recipe):
+    path = write_recipe("recipe_args: {target_model_name_or_path: demo:qwen3_moe_tiny, train_data_path: "
+                        "demo:conversations, cache_output_dir: out, seq_length: 64, micro_batch_size: 1, "
+                        "cache_shard_size: 1}\ncapture: {chunked_prefill: off}\n")
+    assert load_config(path).capture.chunked_prefill == "off"
+
+
 @pytest.mark.parametrize("value, message", [
     ("sometimes", "must be auto, off or a number of tokens, got 'sometimes'"),
+    (True, "must be auto, off or a number of tokens, got true"),
     (0, "must be >= 1 tokens (or auto / off), got 0"),
 ])
 def test_bad_settings_are_refused(write_recipe, value, message):
@@ -253,9 +261,9 @@ COUNTED_CI = {"qwen3_next", "deepseek_v4"}
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m in COUNTED_CI else pytest.mark.slow)
                                         for m in FAMILIES])
 def test_plan_counts_the_carried_state_a_real_forward_holds(family_target, model_type):
-    """plan's carried state (a meta forward's cache, scaled from bf16) is at least what a real fp32 forward's cache
-    holds, and equal to it where nothing in the cache is kept in fp32 whatever the dtype; families whose forward
-    cannot run on meta (Gemma 4, GLM-5-Next) get the config's bound, which must hold too."""
+    """plan's carried state (a meta forward's cache, scaled from bf16) is what a real fp32 forward's cache holds (to
+    within 3%: DeepSeek-V4's compressor buffers round differently); families whose forward cannot run on meta (Gemma 4,
+    GLM-5-Next) get the config's bound, which must hold too."""
     from ds_capture.sizing.carried_state import _collect, carried_state_bytes
     from ds_capture.target.families import read_target_info
     from tests.unit.test_families import reference_model
@@ -269,7 +277,7 @@ def test_plan_counts_the_carried_state_a_real_forward_holds(family_target, model
     _collect(output.cache, tensors, depth=0)
     real = sum(t.numel() * t.element_size() for t in tensors.values())
     assert counted.how == ("bound" if model_type in ("gemma4", "glm5_next") else "counted")
-    assert real <= counted.bytes_per_row <= (5 * real if counted.how == "bound" else 1.1 * real), (counted, real)
+    assert real <= counted.bytes_per_row <= (5 * real if counted.how == "bound" else 1.03 * real), (counted, real)
 
 
 def _plan(tiny_target, tmp_path, chunked_prefill, gpu_memory_gib: float):

@@ -94,7 +94,8 @@ def test_json_lists_every_rank_of_a_512_rank_world(capsys):
     report = json.loads(capsys.readouterr().out)
     assert [r["rank"] for r in report["per_rank"]] == list(range(512))
     assert report["layout"] == {"engine": "deepspeed", "world_size": 512, "dp_size": 64, "tp_size": 8, "ep_size": 16,
-                                "zero_stage": 0, "micro_batch_size": 4, "seq_length": 4096}
+                                "zero_stage": 0, "micro_batch_size": 4, "seq_length": 4096,
+                                "chunk_tokens": None}
     assert isinstance(report["fits"], bool) and report["fits"]
     for rank in report["per_rank"]:
         assert rank["is_writer"] == (rank["rank"] % 8 == 0)
