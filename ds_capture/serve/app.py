@@ -300,6 +300,7 @@ def build_app(state: ServiceState):
         future = await admit(Job(request=parsed, mapping=mapping, nbytes=len(raw)))
         del raw
         state.metrics.queue_depth.set(state.scheduler.depth())
+        state.metrics.in_flight.inc()
         try:
             result = await asyncio.wrap_future(future)
         except Stopping as stopped:
@@ -307,6 +308,8 @@ def build_app(state: ServiceState):
                          {"Retry-After": str(RETRY_AFTER_S)})
         except Exception as failed:  # noqa: BLE001 - this request's answer failed; the client hears why
             return error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
+        finally:
+            state.metrics.in_flight.dec()
         body = await run_in_threadpool(encode_view, result)
         state.metrics.latency.observe(time.perf_counter() - started)
         return answer("generate", body, "application/octet-stream")

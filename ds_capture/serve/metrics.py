@@ -55,6 +55,9 @@ class ServeMetrics:
                                 ["reason"], registry=self.registry)
         for reason in REFUSAL_REASONS:
             self.refusals.labels(reason=reason)  # every reason present from the start (0)
+        self.in_flight = Gauge("ds_capture_serve_in_flight",
+                               "generate requests admitted and not yet answered (0 once the service is quiet)",
+                               registry=self.registry)
         self.held = Gauge("ds_capture_serve_held", "generate requests held for room in the queue (back-pressure)",
                           registry=self.registry)
         self.queue_depth = Gauge("ds_capture_serve_queue_depth", "generate requests waiting", registry=self.registry)
