@@ -383,6 +383,10 @@ def _tracking_protocol(on_close: Callable[[object], None] | None):
 
         def connection_lost(self, exc) -> None:
             super().connection_lost(exc)
+            # uvicorn 0.55 cancels the keep-alive timer only for a clean close (exc None): after a reset (a client
+            # SIGKILLed or hanging up with data unread) the timer kept this protocol, its request and buffers alive
+            # for timeout_keep_alive (an hour here). Measured: RSS grew ~1.5 MiB a minute under hostile clients.
+            self._unset_keepalive_if_required()
             if on_close is not None:
                 on_close(self.connection_id)
 
