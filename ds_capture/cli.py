@@ -81,7 +81,16 @@ def _add_serve(sub: Any) -> None:
                        help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
     serve.add_argument("--max-batch-rows", type=int, default=64,
                        help="most rows per request, and per forward shared by waiting requests (default 64)")
-    serve.add_argument("--no-batching", action="store_true", help="one forward per request")
+    serve.add_argument("--batch-requests", action="store_true",
+                       help="let waiting requests of one length share a forward (answers may then differ from an "
+                            "idle service's in the last bits; default: one forward per request, deterministic)")
+    serve.add_argument("--no-batching", action="store_true", help=argparse.SUPPRESS)  # the default now
+    serve.add_argument("--max-queued-rows", type=int, default=None,
+                       help="rows waiting in the queue past which requests are held (default 4 x --max-batch-rows)")
+    serve.add_argument("--max-held", type=int, default=256,
+                       help="requests queued plus held past which one is refused with Retry-After (default 256)")
+    serve.add_argument("--vocab-idle-s", type=float, default=60.0,
+                       help="seconds after its last request a draft vocabulary stops being live (default 60)")
     serve.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256 MiB)")
     serve.add_argument("--log-interval", type=float, default=30.0,
                        help="seconds between progress lines (default 30; 0: none)")
@@ -223,8 +232,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ds_capture.serve.loop import ServeOptions, serve_target
 
     options = ServeOptions(host=args.host, port=args.port, exit_on_disconnect=args.exit_on_disconnect,
-                           max_batch_rows=args.max_batch_rows, batch_requests=not args.no_batching,
-                           max_body_mib=args.max_body_mib, log_interval_s=args.log_interval)
+                           max_batch_rows=args.max_batch_rows,
+                           batch_requests=args.batch_requests and not args.no_batching,
+                           max_body_mib=args.max_body_mib, log_interval_s=args.log_interval,
+                           max_queued_rows=args.max_queued_rows, max_held=args.max_held,
+                           vocab_idle_s=args.vocab_idle_s)
     summary = serve_target(load_config(args.config, args.overrides), options)
     if _is_rank0():
         print(summary.format(), flush=True)

@@ -160,3 +160,57 @@ def run_nemo(tool: str, *args: str, timeout_s: int = 240) -> dict:
 
 def post(url: str, endpoint: str, body: bytes = b"", timeout_s: float = 60) -> httpx.Response:
     return httpx.post(f"{url}/{endpoint}", content=body, timeout=timeout_s)
+
+
+def identity_mapping(vocab_size: int) -> bytes:
+    from ds_capture.serve.wire import encode
+    import torch
+
+    return encode({"selected_token_ids": torch.arange(vocab_size),
+                   "selected_token_mask": torch.ones(vocab_size, dtype=torch.bool)})
+
+
+def generate_body(rows: int, length: int, seed: int, vocab: int = 300) -> bytes:
+    """A NeMo generate body (random ids, left padding on odd seeds)."""
+    import torch
+
+    from ds_capture.serve.wire import encode
+
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(rows, length, dtype=torch.long)
+    if seed % 2:
+        mask[:, : length // 4] = 0
+    return encode({"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone()})
+
+
+def answers_in_flight(urls: list[str], bodies: list[bytes], noise: list[bytes], *, mapping: bytes,
+                      rounds: int = 2) -> tuple[list[bytes], list[list[bytes]]]:
+    """Each of ``bodies`` answered by an idle service (one at a time, per URL), then ``rounds`` times again, all at
+    once on every URL while ``noise`` requests (other shapes) are in flight too: (idle answers, in-flight answers
+    per round), indexed by ``url x body``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients = [httpx.Client(base_url=url, timeout=120) for url in urls]
+    try:
+        for client in clients:
+            assert client.post("/set_vocab_mapping", content=mapping).status_code == 200
+        idle = [client.post("/generate", content=body).content for client in clients for body in bodies]
+
+        def ask(url: str, body: bytes) -> bytes:
+            with httpx.Client(base_url=url, timeout=120) as client:  # a connection of its own (same host)
+                response = client.post("/generate", content=body)
+                assert response.status_code == 200, response.text
+                return response.content
+
+        busy = []
+        with ThreadPoolExecutor(len(urls) * (len(bodies) + len(noise))) as pool:
+            for _ in range(rounds):
+                futures = [pool.submit(ask, url, body) for url in urls for body in bodies]
+                others = [pool.submit(ask, url, body) for url in urls for body in noise]
+                busy.append([future.result() for future in futures])
+                for future in others:
+                    future.result()
+        return idle, busy
+    finally:
+        for client in clients:
+            client.close()

@@ -11,7 +11,8 @@ as torch's ``fully_shard`` does) to a subclass whose forward
 
 1. sends every (token, slot) pair to the rank owning its expert (``all_to_all_single``, uneven splits),
 2. runs the model's **own** expert math there on one expert per row with weight 1 (exact: x * 1 = x),
-   which returns the unweighted expert output in the model dtype,
+   which returns the unweighted expert output in the model dtype, once per source rank (each source's
+   rows in a computation of their own: no GEMM mixes two ranks' tokens),
 3. sends the outputs back and combines them with the routing weights exactly as the experts
    implementation in use (``config._experts_implementation``) combines them on one process.
 
@@ -103,11 +104,17 @@ class ExpertParallelExperts(nn.Module):
 
         # The model's own expert math, one expert per row and weight 1 (in the hidden dtype, so x * 1
         # is exact): the unweighted expert output. Weighting happens at the origin, in the router's dtype.
-        if recv_hidden.shape[0]:
-            ones = torch.ones(recv_hidden.shape[0], 1, dtype=recv_hidden.dtype, device=recv_hidden.device)
-            expert_out = super().forward(recv_hidden, recv_local_id.unsqueeze(-1), ones)
-        else:
-            expert_out = recv_hidden
+        # One call per source rank: an expert's matmul sees exactly the rows its source's own single-process
+        # forward would give it (on a CPU a GEMM's row results can change with its row count), never another
+        # rank's, so a rank's result does not depend on what its peers forward (ds-capture serve's replicas).
+        segments, start = [], 0
+        for count in recv_splits:
+            if count:
+                rows = recv_hidden[start : start + count]
+                ones = torch.ones(count, 1, dtype=rows.dtype, device=rows.device)
+                segments.append(super().forward(rows, recv_local_id[start : start + count].unsqueeze(-1), ones))
+            start += count
+        expert_out = (segments[0] if len(segments) == 1 else torch.cat(segments)) if segments else recv_hidden
 
         # Return trip: the outputs go back along the reversed splits, then back into pair order.
         back = all_to_all_rows(expert_out, recv_splits, send_splits, self.ep_group)  # [T*K, H]

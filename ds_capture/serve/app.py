@@ -5,26 +5,146 @@ NeMo 0.7.0's answers (``{"status": "ok"}`` JSON, wire blobs) and, for a request 
 ``{"error": "..."}`` naming the problem; the next request is served as if nothing happened. ``generate`` hands a :class:`~ds_capture.serve.
 scheduler.Job` to the lockstep loop and waits for its future; everything else is answered here.
 
-Limits: a body larger than ``max_body_bytes`` is refused (413) before it is read whole; a client that hangs up
-mid-reply costs only its own answer. Draft vocabularies are kept per client connection (two trainers may train
-different drafts against one service); a connection that never set one uses the one every client agreed on, and
-is refused (409) when they differ.
+Limits: a body larger than ``max_body_bytes`` is refused (413) before it is read whole; while the service is not
+ready a request is refused (503) before its body is read; a client that hangs up mid-body costs one log line, and
+one that hangs up mid-reply only its own answer. ``generate`` is admitted through the bounded queue
+(:class:`~ds_capture.serve.scheduler.Scheduler`): a full queue holds the connection (back-pressure), and only past
+the hard limit is a request refused (503 with ``Retry-After``).
+
+Draft vocabularies (:class:`VocabMappings`): NeMo 0.7.0's client sends no trainer identity (a ``requests.Session``
+per URL; headers ``Content-Type`` and requests' defaults), and the TCP source port changes with every new
+connection. So a vocabulary is bound to the connection that set it, and a new connection (a keep-alive close, a
+retry, a restarted trainer) gets its host's one live vocabulary; with two different live ones on the host it is
+refused (409, naming the fix), never given the other trainer's.
 """
 
 import asyncio
+import itertools
 import json
+import logging
 import socket
 import threading
+import time
 from typing import Callable
 
 from ds_capture.errors import CaptureError
 from ds_capture.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ds_capture.serve.protocol import BadRequest, parse_generate, parse_vocab_mapping
-from ds_capture.serve.scheduler import Job, Scheduler
+from ds_capture.serve.scheduler import Job, QueueFull, Scheduler, Stopping
 from ds_capture.serve.supervision import VocabMapping
 from ds_capture.serve.wire import encode, encode_view
 
 OK = b'{"status": "ok"}'
+RETRY_AFTER_S = 5
+CONNECTION_KEY = "ds_capture.connection"
+"""The ASGI scope key carrying the id of the TCP connection a request came on (:class:`HttpServer`'s protocol)."""
+_LOG = logging.getLogger("ds_capture")
+
+
+class _Entry:
+    __slots__ = ("mapping", "used", "owners")
+
+    def __init__(self, mapping: VocabMapping, used: float) -> None:
+        self.mapping, self.used, self.owners = mapping, used, set()
+
+
+class VocabMappings:
+    """The trainers' draft vocabularies: exact per connection, shared per client host (module docstring).
+
+    A ``set_vocab_mapping`` on a connection binds that connection to the mapping (replacing what the connection
+    set before; equal mappings on one host are one entry). A ``generate`` on a bound connection gets its own
+    mapping. On a connection that set none (a trainer's keep-alive connection replaced after a blip, a timeout's
+    retry, a restart with the same vocabulary), it gets the host's one *live* mapping and is bound to it; with two
+    or more live mappings on the host it is refused (409, naming the fix), never given a guess. A mapping is live
+    while a connection bound to it is open or a request used it within ``idle_s``; one that is neither is
+    forgotten. ``disconnect`` unbinds the connection (its mapping is forgotten when nothing else holds it).
+    """
+
+    def __init__(self, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s = idle_s
+        self._clock = clock
+        self._hosts: dict[str, list[_Entry]] = {}
+        self._bound: dict[object, _Entry] = {}  # connection -> its entry
+        self._lock = threading.Lock()
+
+    def _live(self, host: str, now: float) -> list[_Entry]:
+        """The host's live entries; the others are forgotten here."""
+        live = [entry for entry in self._hosts.get(host, []) if entry.owners or now - entry.used < self.idle_s]
+        if live:
+            self._hosts[host] = live
+        else:
+            self._hosts.pop(host, None)
+        return live
+
+    def _bind(self, connection: object, entry: _Entry) -> None:
+        old = self._bound.get(connection)
+        if old is not None:
+            old.owners.discard(connection)
+        if connection is not None:
+            entry.owners.add(connection)
+            self._bound[connection] = entry
+
+    def set(self, host: str, connection: object, mapping: VocabMapping) -> None:
+        with self._lock:
+            now = self._clock()
+            old = self._bound.pop(connection, None)
+            if old is not None:
+                old.owners.discard(connection)
+                if not old.owners:
+                    old.used = -float("inf")  # what this connection set before is replaced
+            entries = self._live(host, now)
+            entry = next((entry for entry in entries if entry.mapping.same_as(mapping)), None)
+            if entry is None:
+                entry = _Entry(mapping, now)
+                self._hosts.setdefault(host, []).append(entry)
+            entry.used = now
+            self._bind(connection, entry)
+
+    def get(self, host: str, connection: object) -> VocabMapping:
+        with self._lock:
+            now = self._clock()
+            entry = self._bound.get(connection)
+            if entry is not None:
+                entry.used = now
+                return entry.mapping
+            live = self._live(host, now)
+            if len(live) == 1:
+                live[0].used = now
+                self._bind(connection, live[0])
+                return live[0].mapping
+        if not live:
+            raise BadRequest(409, "generate before set_vocab_mapping: the trainer must send its draft vocabulary "
+                                  f"first (RemoteEagle3TargetModel.set_vocab_mapping; none live from host {host})",
+                             reason="no_vocab_mapping")
+        raise BadRequest(409, f"generate on a new connection from host {host}, where {len(live)} different draft "
+                              "vocabularies are in use: NeMo's client sends no trainer identity, so this service "
+                              "cannot tell whose request this is. Run one service per draft vocabulary, or give "
+                              "each trainer on a host its own source address; a vocabulary is forgotten "
+                              f"{self.idle_s:g} s after its trainer's last request and connection (--vocab-idle-s)",
+                         reason="vocab_mapping_ambiguous")
+
+    def closed(self, connection: object) -> None:
+        """The connection ended (its mapping stays live for ``idle_s`` after its last use)."""
+        with self._lock:
+            entry = self._bound.pop(connection, None)
+            if entry is not None:
+                entry.owners.discard(connection)
+
+    def disconnect(self, host: str, connection: object) -> None:
+        """NeMo's ``disconnect``: the trainer is done with its mapping."""
+        with self._lock:
+            entry = self._bound.pop(connection, None)
+            if entry is None:
+                live = self._live(host, self._clock())
+                entry = live[0] if len(live) == 1 else None
+            if entry is not None:
+                entry.owners.discard(connection)
+                if not entry.owners:
+                    entry.used = -float("inf")
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(entries) for entries in self._hosts.values())
 
 
 class ServiceState:
@@ -32,7 +152,7 @@ class ServiceState:
 
     def __init__(self, *, vocab_size: int, max_seq_length: int, max_rows: int, model_info: dict,
                  embeddings: Callable[[], dict], scheduler: Scheduler, metrics: ServeMetrics,
-                 max_body_bytes: int, exit_on_disconnect: bool) -> None:
+                 max_body_bytes: int, exit_on_disconnect: bool, vocab_idle_s: float = 60.0) -> None:
         self.vocab_size = vocab_size
         self.max_seq_length = max_seq_length
         self.max_rows = max_rows
@@ -47,7 +167,7 @@ class ServiceState:
         """Set once every rank loaded the target; cleared when the service stops."""
         self.disconnected = threading.Event()
         """A client said ``disconnect`` (the loop stops on it only with ``exit_on_disconnect``)."""
-        self._mappings: dict[object, VocabMapping] = {}
+        self.mappings = VocabMappings(vocab_idle_s)
         self._lock = threading.Lock()
 
     def embeddings_body(self) -> bytes:
@@ -56,27 +176,9 @@ class ServiceState:
                 self._embeddings_body = encode(self._embeddings())
             return self._embeddings_body
 
-    def set_mapping(self, client: object, mapping: VocabMapping) -> None:
-        with self._lock:
-            self._mappings[client] = mapping
 
-    def forget(self, client: object) -> None:
-        with self._lock:
-            self._mappings.pop(client, None)
-
-    def mapping_for(self, client: object) -> VocabMapping:
-        with self._lock:
-            mapping = self._mappings.get(client)
-            if mapping is not None:
-                return mapping
-            known = list(self._mappings.values())
-        if not known:
-            raise BadRequest(409, "generate before set_vocab_mapping: the trainer must send its draft vocabulary "
-                                  "first (RemoteEagle3TargetModel.set_vocab_mapping)")
-        if any(not other.same_as(known[0]) for other in known[1:]):
-            raise BadRequest(409, "generate from a connection that set no draft vocabulary while the connected "
-                                  "trainers set different ones: send set_vocab_mapping on this connection first")
-        return known[0]
+class ClientGone(Exception):
+    """The client hung up before its body was read whole."""
 
 
 def build_app(state: ServiceState):
@@ -84,12 +186,14 @@ def build_app(state: ServiceState):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="ds-capture serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(endpoint: str, status: int, message: str) -> Response:
+    def error(endpoint: str, status: int, message: str, reason: str, headers: dict | None = None) -> Response:
         state.metrics.count_request(endpoint, status)
-        return JSONResponse({"error": message}, status_code=status)
+        state.metrics.refuse(reason)
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
     def answer(endpoint: str, body: bytes, media_type: str = "application/json") -> Response:
         state.metrics.count_request(endpoint, 200)
@@ -101,20 +205,32 @@ def build_app(state: ServiceState):
             raise BadRequest(413, f"{endpoint}: body of {int(declared):,} bytes exceeds this service's limit of "
                                   f"{state.max_body_bytes:,} (--max-body-mib)")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > state.max_body_bytes:
-                raise BadRequest(413, f"{endpoint}: body exceeds this service's limit of {state.max_body_bytes:,} "
-                                      "bytes (--max-body-mib)")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > state.max_body_bytes:
+                    raise BadRequest(413, f"{endpoint}: body exceeds this service's limit of "
+                                          f"{state.max_body_bytes:,} bytes (--max-body-mib)")
+                chunks.append(chunk)
+        except ClientDisconnect as gone:
+            raise ClientGone(f"{endpoint}: {host_of(request)} hung up after {size:,} bytes of its body") from gone
         return b"".join(chunks)
 
-    def client_of(request: Request) -> object:
-        return (request.client.host, request.client.port) if request.client else None
+    def host_of(request: Request) -> str:
+        return request.client.host if request.client else "unknown"
+
+    def connection_of(request: Request) -> object:
+        return request.scope.get(CONNECTION_KEY)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, exc: BadRequest) -> Response:
-        return error(request.url.path.lstrip("/"), exc.status, exc.message)
+        return error(request.url.path.lstrip("/"), exc.status, exc.message, exc.reason, exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        _LOG.warning("ds-capture serve: %s (nothing answered)", exc)  # one line, no traceback
+        state.metrics.refuse("client_gone")
+        return Response(status_code=400)  # nobody reads it
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,23 +241,26 @@ def build_app(state: ServiceState):
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.queue_depth.set(state.scheduler.depth())
+        state.metrics.held.set(state.scheduler.held())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     def require_ready(endpoint: str) -> None:
+        """Before the body is read: a service that cannot answer does not take it."""
         if not state.ready.is_set():
             raise BadRequest(503, f"{endpoint}: the target is not loaded on every rank yet, or the service is "
-                                  "stopping; poll GET /health until it answers 200")
+                                  "stopping; poll GET /health until it answers 200", reason="not_ready",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.post("/model_info")
     async def model_info(request: Request) -> Response:
-        await read_body(request, "model_info")
         require_ready("model_info")
+        await read_body(request, "model_info")
         return answer("model_info", json.dumps(state.model_info).encode())
 
     @app.post("/input_embeddings")
     async def input_embeddings(request: Request) -> Response:
-        await read_body(request, "input_embeddings")
         require_ready("input_embeddings")
+        await read_body(request, "input_embeddings")
         body = await run_in_threadpool(state.embeddings_body)
         return answer("input_embeddings", body, "application/octet-stream")
 
@@ -149,23 +268,50 @@ def build_app(state: ServiceState):
     async def set_vocab_mapping(request: Request) -> Response:
         raw = await read_body(request, "set_vocab_mapping")
         mapping = await run_in_threadpool(parse_vocab_mapping, raw, vocab_size=state.vocab_size)
-        state.set_mapping(client_of(request), mapping)
+        state.mappings.set(host_of(request), connection_of(request), mapping)
         return answer("set_vocab_mapping", OK)
+
+    async def admit(job: Job):
+        """The job's future once the queue has room: the connection is held meanwhile (back-pressure)."""
+        scheduler = state.scheduler
+        try:
+            scheduler.hold(job.nbytes)
+        except QueueFull as full:
+            raise BadRequest(503, f"generate: the service is over its hard limit ({full}); retry after "
+                                  f"{RETRY_AFTER_S} s", reason="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)}) from full
+        try:
+            while True:
+                future = scheduler.try_admit(job)
+                if future is not None:
+                    return future
+                await asyncio.sleep(0.005)
+        finally:
+            scheduler.unhold(job.nbytes)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        raw = await read_body(request, "generate")
+        started = time.perf_counter()
         require_ready("generate")
+        raw = await read_body(request, "generate")
         parsed = await run_in_threadpool(parse_generate, raw, vocab_size=state.vocab_size,
                                          max_seq_length=state.max_seq_length, max_rows=state.max_rows)
-        mapping = state.mapping_for(client_of(request))
-        future = state.scheduler.submit(Job(request=parsed, mapping=mapping))
+        mapping = state.mappings.get(host_of(request), connection_of(request))
+        future = await admit(Job(request=parsed, mapping=mapping, nbytes=len(raw)))
+        del raw
         state.metrics.queue_depth.set(state.scheduler.depth())
+        state.metrics.in_flight.inc()
         try:
             result = await asyncio.wrap_future(future)
-        except RuntimeError as stopped:
-            return error("generate", 503, f"generate: {stopped}")
+        except Stopping as stopped:
+            return error("generate", 503, f"generate: {stopped}", "stopping",
+                         {"Retry-After": str(RETRY_AFTER_S)})
+        except Exception as failed:  # noqa: BLE001 - this request's answer failed; the client hears why
+            return error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
+        finally:
+            state.metrics.in_flight.dec()
         body = await run_in_threadpool(encode_view, result)
+        state.metrics.latency.observe(time.perf_counter() - started)
         return answer("generate", body, "application/octet-stream")
 
     @app.post("/init_nccl")
@@ -181,7 +327,7 @@ def build_app(state: ServiceState):
     @app.post("/disconnect")
     async def disconnect(request: Request) -> Response:
         await read_body(request, "disconnect")
-        state.forget(client_of(request))
+        state.mappings.disconnect(host_of(request), connection_of(request))
         state.disconnected.set()
         return answer("disconnect", OK)
 
@@ -189,17 +335,22 @@ def build_app(state: ServiceState):
 
 
 class HttpServer:
-    """uvicorn serving ``app`` from a thread, on a socket bound here (a busy port is a clear error at once)."""
+    """uvicorn serving ``app`` from a thread, on a socket bound here (a busy port is a clear error at once).
 
-    def __init__(self, app, host: str, port: int) -> None:
+    uvicorn's h11 protocol, told which connection each request came on (``scope[CONNECTION_KEY]``) and calling
+    ``on_close(connection)`` when one ends: draft vocabularies are bound to connections (:class:`VocabMappings`).
+    """
+
+    def __init__(self, app, host: str, port: int, on_close: Callable[[object], None] | None = None) -> None:
         import uvicorn
 
         self.sock = _bind(host, port)
         self.port = self.sock.getsockname()[1]
-        # A long keep-alive: NeMo's client keeps one connection per server, and its draft vocabulary is kept per
-        # connection (see ServiceState); uvicorn's default 5 s would make every idle trainer reconnect.
+        # A long keep-alive: NeMo's client keeps one connection per server; uvicorn's default 5 s would make
+        # every idle trainer reconnect. A bounded graceful shutdown: a client trickling its body does not hold
+        # the ranks' exit.
         config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=3600, access_log=False,
-                                lifespan="off")
+                                lifespan="off", timeout_graceful_shutdown=2, http=_tracking_protocol(on_close))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="ds_capture-http", daemon=True)
@@ -211,6 +362,35 @@ class HttpServer:
         self.server.should_exit = True
         self.thread.join(timeout_s)
         self.sock.close()
+
+
+def _tracking_protocol(on_close: Callable[[object], None] | None):
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    ids = itertools.count(1)
+
+    class ConnectionTracking(H11Protocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.connection_id = next(ids)
+            app, connection = self.app, self.connection_id
+
+            async def tagged(scope, receive, send):
+                scope[CONNECTION_KEY] = connection
+                await app(scope, receive, send)
+
+            self.app = tagged
+
+        def connection_lost(self, exc) -> None:
+            super().connection_lost(exc)
+            # uvicorn 0.55 cancels the keep-alive timer only for a clean close (exc None): after a reset (a client
+            # SIGKILLed or hanging up with data unread) the timer kept this protocol, its request and buffers alive
+            # for timeout_keep_alive (an hour here). Measured: RSS grew ~1.5 MiB a minute under hostile clients.
+            self._unset_keepalive_if_required()
+            if on_close is not None:
+                on_close(self.connection_id)
+
+    return ConnectionTracking
 
 
 def _bind(host: str, port: int) -> socket.socket:

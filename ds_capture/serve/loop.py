@@ -36,7 +36,7 @@ from ds_capture.parallel.layout import new_groups
 from ds_capture.recipe.config import RunConfig
 from ds_capture.serve.app import HttpServer, ServiceState, build_app
 from ds_capture.serve.metrics import ServeMetrics
-from ds_capture.serve.scheduler import Job, Scheduler
+from ds_capture.serve.scheduler import Job, Scheduler, resolve
 from ds_capture.serve.supervision import Supervisor
 from ds_capture.session import (
     SessionPlan,
@@ -60,11 +60,21 @@ class ServeOptions:
     exit_on_disconnect: bool = False
     """NeMo's own server's behaviour: stop once a client says ``disconnect`` and nothing is waiting."""
     max_batch_rows: int = 64
-    """Most rows one request may carry, and one forward may batch from several waiting requests."""
-    batch_requests: bool = True
-    """Let waiting requests of one sequence length share a forward (answers unchanged)."""
+    """Most rows one request may carry, and (with ``batch_requests``) one forward may batch."""
+    batch_requests: bool = False
+    """Let waiting requests of one sequence length share a forward (``--batch-requests``). Off by default: each
+    request is then forwarded in a computation of its own shape, so its answer is byte-identical to an idle
+    service's; shared forwards can change answers in the last bits (docs/serve.md, measured)."""
     max_body_mib: float = 256.0
     """Largest request body accepted (413 above it)."""
+    max_queued_rows: int | None = None
+    """Most rows waiting in the queue (default 4 x ``max_batch_rows``); past it requests are held (back-pressure)."""
+    max_queued_mib: float = 1024.0
+    """Most request bytes waiting in the queue; past it requests are held."""
+    max_held: int = 256
+    """Requests queued plus held past which one is refused (503, ``Retry-After``)."""
+    vocab_idle_s: float = 60.0
+    """A draft vocabulary no request used for this long is no longer live (see serve/app.py VocabMappings)."""
     tick_s: float = 0.05
     """How long a listener waits for a request before the ranks' next stop vote while idle."""
     log_interval_s: float = 30.0
@@ -125,10 +135,13 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
                 model_info={"num_hidden_layers": target.num_hidden_layers, "hidden_size": target.hidden_size,
                             "vocab_size": target.vocab_size, "aux_layer_ids": list(session.layer_ids)},
                 embeddings=lambda: {"weight": embed.to(compute_dtype)},
-                scheduler=Scheduler(max_rows=options.max_batch_rows, batch=options.batch_requests),
+                scheduler=Scheduler(max_rows=options.max_batch_rows, batch=options.batch_requests,
+                                    max_queued_rows=options.max_queued_rows,
+                                    max_queued_bytes=int(options.max_queued_mib * 2**20),
+                                    hard_limit=options.max_held),
                 metrics=ServeMetrics(), max_body_bytes=int(options.max_body_mib * 2**20),
-                exit_on_disconnect=options.exit_on_disconnect)
-            server = HttpServer(build_app(state), options.host, port)
+                exit_on_disconnect=options.exit_on_disconnect, vocab_idle_s=options.vocab_idle_s)
+            server = HttpServer(build_app(state), options.host, port, on_close=state.mappings.closed)
             server.start()
         except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error
             error = caught
@@ -200,18 +213,26 @@ class _Lockstep:
                                  self.state.metrics.line())
                         next_log = time.monotonic() + self.options.log_interval_s
                 headers = self._gather_headers(header)  # every replica's, on every rank
-                if any(other is not None and other[0] == "exit" for other in headers):
-                    return "a client disconnected (--exit-on-disconnect)"
-                if all(other is None for other in headers):
+                exiting = any(other is not None and other[0] == "exit" for other in headers)
+                forwarding = [other is not None and other[0] == "forward" for other in headers]
+                if not any(forwarding):
+                    if exiting:
+                        return "a client disconnected (--exit-on-disconnect)"
                     continue
                 mine = headers[self.leader]
+                mine = mine if mine is not None and mine[0] == "forward" else None
                 try:
+                    # Taken jobs are answered also on the tick a replica says exit (it forwards a filler).
                     self._step(jobs, *(mine[1:] if mine is not None else (0, 0)))
                 except BaseException as error:
                     for job in jobs:  # their clients get an answer (a 500) before the service goes down
-                        if not job.future.done():
-                            job.future.set_exception(error if isinstance(error, Exception) else RuntimeError(error))
+                        resolve(job.future, error=error)
                     raise
+                finally:
+                    if self.listens:
+                        self.state.scheduler.done()
+                if exiting:
+                    return "a client disconnected (--exit-on-disconnect)"
         finally:
             vote.close()
 
@@ -245,16 +266,16 @@ class _Lockstep:
         for job in jobs:
             hi = lo + job.request.num_rows
             try:
-                job.future.set_result(self.supervisor.compute(aux[lo:hi], last[lo:hi], job.request.input_ids,
-                                                              job.request.loss_mask, job.mapping))
+                resolve(job.future, result=self.supervisor.compute(aux[lo:hi], last[lo:hi], job.request.input_ids,
+                                                                   job.request.loss_mask, job.mapping))
             except Exception as error:  # noqa: BLE001 - this request's answer fails, the service goes on
-                job.future.set_exception(error)
+                resolve(job.future, error=error)
             lo = hi
         tokens = sum(job.request.num_tokens for job in jobs)
         self.requests += len(jobs)
         self.tokens += tokens
-        waited = sum(started - job.enqueued for job in jobs)
-        self.state.metrics.count_forward(rows=rows, tokens=tokens, seconds=time.monotonic() - started, waited=waited)
+        waits = [started - job.enqueued for job in jobs]
+        self.state.metrics.count_forward(rows=rows, tokens=tokens, seconds=time.monotonic() - started, waits=waits)
         self.state.metrics.queue_depth.set(self.state.scheduler.depth())
 
     def _gather_headers(self, header) -> list:

@@ -12,10 +12,15 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REFUSAL_REASONS = ("not_ready", "stopping", "queue_full", "bad_request", "too_large", "no_vocab_mapping",
+                   "vocab_mapping_ambiguous", "client_gone", "failed")
+"""``ds_capture_serve_refusals_total{reason}``: every refused or unanswered request counts under one of these."""
 
 
 class ServeMetrics:
@@ -35,6 +40,26 @@ class ServeMetrics:
         self.wait_seconds = Counter("ds_capture_serve_wait_seconds",
                                     "Seconds requests waited in the queue before their forward (summed)",
                                     registry=self.registry)
+        self.latency = Histogram("ds_capture_serve_request_seconds",
+                                 "generate: seconds from the request's headers to its answer (body, queue, forward)",
+                                 buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.queue_wait = Histogram("ds_capture_serve_queue_wait_seconds",
+                                    "generate: seconds a request waited in the queue before its forward",
+                                    buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.forward_time = Histogram("ds_capture_serve_forward_time_seconds",
+                                      "Seconds of one forward + supervision", buckets=SECONDS_BUCKETS,
+                                      registry=self.registry)
+        self.batch_rows = Histogram("ds_capture_serve_batch_rows", "Rows of one forward", buckets=ROWS_BUCKETS,
+                                    registry=self.registry)
+        self.refusals = Counter("ds_capture_serve_refusals", "Requests refused or left unanswered, by reason",
+                                ["reason"], registry=self.registry)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason=reason)  # every reason present from the start (0)
+        self.in_flight = Gauge("ds_capture_serve_in_flight",
+                               "generate requests admitted and not yet answered (0 once the service is quiet)",
+                               registry=self.registry)
+        self.held = Gauge("ds_capture_serve_held", "generate requests held for room in the queue (back-pressure)",
+                          registry=self.registry)
         self.queue_depth = Gauge("ds_capture_serve_queue_depth", "generate requests waiting", registry=self.registry)
         self.ready = Gauge("ds_capture_serve_ready", "1 once every rank loaded the target, 0 when stopping",
                            registry=self.registry)
@@ -51,7 +76,15 @@ class ServeMetrics:
             with self._lock:
                 self._totals[0] += 1
 
-    def count_forward(self, *, rows: int, tokens: int, seconds: float, waited: float) -> None:
+    def refuse(self, reason: str) -> None:
+        self.refusals.labels(reason=reason).inc()
+
+    def count_forward(self, *, rows: int, tokens: int, seconds: float, waits: list[float]) -> None:
+        waited = sum(waits)
+        for wait in waits:
+            self.queue_wait.observe(wait)
+        self.forward_time.observe(seconds)
+        self.batch_rows.observe(rows)
         self.forwards.inc()
         self.rows.inc(rows)
         self.tokens.inc(tokens)

@@ -23,12 +23,16 @@ GENERATE_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
 class BadRequest(Exception):
-    """A request the service refuses: ``status`` (4xx) and a message that names the problem."""
+    """A request the service refuses: ``status`` (4xx, or 503 while not ready / full), a message that names the
+    problem, the reason it is counted under (``ds_capture_serve_refusals_total``) and any extra headers."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, reason: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason or ("too_large" if status == 413 else "bad_request")
+        self.headers = headers
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,15 @@ import httpx
 import pytest
 
 from tests.eagle3_support import build_fixture_target, read_spec
-from tests.serve_support import DATA, ServiceProcess, run_nemo, write_serve_recipe
+from tests.serve_support import (
+    DATA,
+    ServiceProcess,
+    answers_in_flight,
+    generate_body,
+    identity_mapping,
+    run_nemo,
+    write_serve_recipe,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -55,11 +63,18 @@ def test_ep2_service_trains_like_colocated_and_stops_on_sigterm(targets, tmp_pat
         # One URL per replica (rank 1 on port + 1); NeMo's client round-robins, so the two replicas forward
         # different rows in the same forwards (or one of them a filler): EP's all-to-all carries both.
         second = f"http://127.0.0.1:{service.port + 1}"
+        # Deterministic answers: each replica's answers while both replicas and requests of other shapes are in
+        # flight (EP's all-to-all carries both replicas' tokens) equal the idle service's, byte for byte.
+        bodies = [generate_body(rows, 48, seed) for seed, rows in enumerate((1, 2, 3))]
+        noise = [generate_body(rows, length, 100 + i) for i, (rows, length) in enumerate(((4, 48), (1, 96)))]
+        idle, busy = answers_in_flight([service.url, second], bodies, noise, mapping=identity_mapping(384))
+        assert all(answers == idle for answers in busy), [answers == idle for answers in busy]
+        before = [_generate_count(url) for url in (service.url, second)]
         remote = run_nemo("train_eagle3.py", "--target", str(targets["qwen3_moe"]), *TRAIN, "--remote-url",
                           service.url, "--remote-url", second, "--prefetch", "1")
         assert remote["steps"] == colocated["steps"] == 5
         assert remote["losses"] == colocated["losses"], (remote, colocated)
-        served = [_generate_count(url) for url in (service.url, second)]
+        served = [_generate_count(url) - count for url, count in zip((service.url, second), before)]
         assert sum(served) == 5 and min(served) >= 2, served
         code = service.stop(signal.SIGTERM, timeout_s=30)
         assert code == 0, service.log()[-4000:]
@@ -89,6 +104,54 @@ def test_dp2_service_has_one_url_per_replica_and_trains_like_colocated(targets, 
         service.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_exit_on_disconnect_with_dp_replicas_resolves_every_taken_request(targets, tmp_path):
+    """DP 2 with --exit-on-disconnect: replica 1 busy with generate requests from 4 trainers when a client says
+    disconnect on replica 0. Every request sent before the disconnect is answered (200) or refused (503) within a
+    second of it, none is left to a connection error, and both ranks exit 0 promptly."""
+    import threading
+
+    recipe = write_serve_recipe(tmp_path / "serve.yaml", targets["qwen3"], seq_length=SEQ_LENGTH)
+    service = ServiceProcess(recipe, nproc=2, extra=["--exit-on-disconnect"])
+    try:
+        second = f"http://127.0.0.1:{service.port + 1}"
+        assert httpx.post(f"{second}/set_vocab_mapping", content=identity_mapping(384), timeout=30).status_code == 200
+        said = threading.Event()
+        outcomes: list[tuple[float, float, object]] = []
+
+        def trainer(seed: int) -> None:
+            with httpx.Client(base_url=second, timeout=60) as client:
+                while not said.is_set():
+                    started = time.monotonic()
+                    try:
+                        outcome = client.post("/generate", content=generate_body(8, SEQ_LENGTH, seed)).status_code
+                    except httpx.HTTPError as error:
+                        outcome = type(error).__name__
+                    outcomes.append((started, time.monotonic(), outcome))
+
+        threads = [threading.Thread(target=trainer, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(3)
+        said_at = time.monotonic()
+        said.set()
+        assert httpx.post(f"{service.url}/disconnect", content=b"{}", timeout=10).status_code == 200
+        for thread in threads:
+            thread.join(30)
+        code = service.wait(30)
+        exited = time.monotonic() - said_at
+        late = [(end - said_at, outcome) for started, end, outcome in outcomes if started < said_at]
+        print(f"DP 2 --exit-on-disconnect: {len(outcomes)} requests, in flight at the disconnect resolved after "
+              f"{sorted(round(t, 2) for t, _ in late if t > 0)} s as {[o for t, o in late if t > 0]}; "
+              f"exit {code} {exited:.1f} s after it")
+        assert code == 0, service.log()[-4000:]
+        assert all(outcome in (200, 503) for _, outcome in late), late
+        assert max(t for t, _ in late) < 1.0, late
+        assert "ds-capture serve stopped (a client disconnected (--exit-on-disconnect))" in service.log()
+    finally:
+        service.stop(signal.SIGKILL)
+
+
 def _generate_count(url: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(int(float(line.split()[-1])) for line in text.splitlines()
@@ -112,32 +175,70 @@ def test_tp2_service_trains_like_colocated(targets, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_frozen_rank_ends_every_rank_with_exit_75(targets, tmp_path):
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+def test_a_frozen_or_killed_rank_ends_every_rank_with_exit_75(targets, tmp_path, fault):
+    """Rank 1 frozen (SIGSTOP) or killed (SIGKILL) while a trainer's requests are in flight: rank 0 exits 75 within
+    the liveness limit plus 5 s, its port is closed (clients see connection errors, which NeMo retries), and the
+    request in flight is answered with an error or a connection error, never left hanging."""
+    import socket
+    import threading
+
     service = _serve(tmp_path, targets["qwen3_moe"], ep_size=2)
-    frozen = None
+    victim = None
     try:
         service.wait_healthy()
         ranks = service.rank_pids()
         assert len(ranks) == 2
-        frozen = max(ranks)  # rank 1 (started second): rank 0 keeps listening until liveness ends it
-        os.kill(frozen, signal.SIGSTOP)
+        victim = max(ranks)  # rank 1 (started second): rank 0 keeps listening until liveness ends it
+        assert httpx.post(f"{service.url}/set_vocab_mapping", content=identity_mapping(384),
+                          timeout=30).status_code == 200
+        outcomes: list = []
+
+        def trainer() -> None:
+            with httpx.Client(base_url=service.url, timeout=60) as client:
+                for seed in range(200):
+                    try:
+                        outcomes.append(client.post("/generate", content=generate_body(4, SEQ_LENGTH, seed))
+                                        .status_code)
+                    except httpx.HTTPError as error:
+                        outcomes.append(type(error).__name__)
+                        return
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        time.sleep(1)
+        os.kill(victim, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
         started = time.monotonic()
         deadline = started + LIMIT_S + SLACK_S + 20
         while time.monotonic() < deadline and _alive(min(ranks)):
             time.sleep(0.2)
         waited = time.monotonic() - started
-        assert not _alive(min(ranks)), f"rank 0 still running {waited:.0f} s after rank 1 froze"
-        assert waited < LIMIT_S + SLACK_S, waited
-        print(f"rank 1 frozen -> rank 0 gone in {waited:.1f} s (limit {LIMIT_S} s)")
+        assert not _alive(min(ranks)), f"rank 0 still running {waited:.0f} s after rank 1 ({fault})"
+        thread.join(30)
+        assert not thread.is_alive()
+        print(f"rank 1 {fault} -> rank 0 gone in {waited:.1f} s (limit {LIMIT_S} s); the trainer's last outcomes "
+              f"{outcomes[-3:]}")
+        assert waited < LIMIT_S + 5, waited
         assert service.health() is None
-        assert "ds-capture: rank 0 stopping: rank 1 (host" in service.log(), service.log()[-3000:]
-        os.kill(frozen, signal.SIGKILL)  # what a scheduler does with a rank that never wakes up
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", service.port), timeout=2).close()
+        # Answered before the fault; then at most an error answer (the forward's collective failed: 500), and a
+        # connection error once the listener closed: nothing left hanging (the trainer thread ended).
+        first_bad = next(i for i, o in enumerate(outcomes) if o != 200)
+        assert all(o in (500, 503) for o in outcomes[first_bad:-1]), outcomes
+        assert outcomes[-1] not in (200, 500, 503), outcomes  # a connection error: NeMo's client retries it
+        if fault == "freeze":
+            assert "ds-capture: rank 0 stopping: rank 1 (host" in service.log(), service.log()[-3000:]
+            os.kill(victim, signal.SIGKILL)  # what a scheduler does with a rank that never wakes up
         service.wait(30)
-        assert re.search(r"exitcode\s*:\s*75", service.log()), service.log()[-3000:]  # torchrun's report of rank 0
+        failures = re.findall(r"rank\s*:\s*(\d+).*?\n.*?exitcode\s*:\s*(-?\d+)", service.log(), re.S)
+        print(f"torchrun's report (rank, exit code): {failures}")
+        if fault == "freeze":  # rank 0 ended itself: liveness's 75
+            assert re.search(r"exitcode\s*:\s*75", service.log()), service.log()[-3000:]
     finally:
-        if frozen is not None:
+        if victim is not None:
             try:
-                os.kill(frozen, signal.SIGKILL)
+                os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         service.stop(signal.SIGKILL)

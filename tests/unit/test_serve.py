@@ -23,7 +23,15 @@ import torch
 
 from ds_capture.serve.wire import WireError, decode, encode
 from tests.eagle3_support import build_fixture_target, read_spec
-from tests.serve_support import DATA, ServiceProcess, post, run_nemo, write_serve_recipe
+from tests.serve_support import (
+    DATA,
+    ServiceProcess,
+    answers_in_flight,
+    generate_body,
+    post,
+    run_nemo,
+    write_serve_recipe,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -185,25 +193,13 @@ def test_client_hanging_up_mid_reply_costs_only_its_answer(service):
     assert post(service.url, "generate", _batch()).status_code == 200 and service.health() == 200
 
 
-def test_requests_sharing_a_forward_get_their_own_answers(service):
-    """Eight requests at once from eight connections (they batch in the queue): each answer equals the answer to
-    the same request alone."""
-    bodies = [_batch(rows=1 + i % 3, length=SEQ_LENGTH) for i in range(8)]
-    alone = []
-    with httpx.Client(base_url=service.url, timeout=60) as client:
-        assert client.post("/set_vocab_mapping", content=_mapping()).status_code == 200
-        alone = [client.post("/generate", content=body).content for body in bodies]
-    together: list[bytes | None] = [None] * len(bodies)
-
-    def ask(index: int) -> None:
-        together[index] = post(service.url, "generate", bodies[index]).content
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert together == alone
+def test_answers_do_not_depend_on_what_else_is_in_flight(service):
+    """Requests answered by the idle service, then again all at once from their own connections beside requests of
+    other shapes: byte for byte the idle answers (each request is forwarded in a computation of its own shape)."""
+    bodies = [generate_body(rows, 48, seed) for seed, rows in enumerate((1, 2, 3, 2))]
+    noise = [generate_body(rows, length, 100 + i) for i, (rows, length) in enumerate(((4, 48), (1, 96), (2, 33)))]
+    idle, busy = answers_in_flight([service.url], bodies, noise, mapping=_mapping())
+    assert all(answers == idle for answers in busy)
 
 
 def test_metrics_health_and_serving_after_disconnect(service):
