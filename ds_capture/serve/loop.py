@@ -152,7 +152,8 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
         device = next(model.parameters()).device
         supervisor = Supervisor(lm_head.to(device, compute_dtype)) if listens else None
         all_reduce_max_int(1)  # every rank has loaded the target: only now may health answer 200
-        with target_forward(model, target, session.layer_ids, pre_norm_last=True) as forward:
+        with target_forward(model, target, session.layer_ids, pre_norm_last=True,
+                            chunk_tokens=session.chunk_tokens) as forward:
             if listens:
                 state.ready.set()
                 state.metrics.ready.set(1)
@@ -222,8 +223,11 @@ class _Lockstep:
                 mine = headers[self.leader]
                 mine = mine if mine is not None and mine[0] == "forward" else None
                 try:
-                    # Taken jobs are answered also on the tick a replica says exit (it forwards a filler).
-                    self._step(jobs, *(mine[1:] if mine is not None else (0, 0)))
+                    # Taken jobs are answered also on the tick a replica says exit (it forwards a filler). Under
+                    # chunked prefill every rank forwards as many chunks as the longest replica's rows take.
+                    forwards = max(self.forward.forwards_for(other[2]) for other in headers
+                                   if other is not None and other[0] == "forward")
+                    self._step(jobs, *(mine[1:] if mine is not None else (0, 0)), forwards)
                 except BaseException as error:
                     for job in jobs:  # their clients get an answer (a 500) before the service goes down
                         resolve(job.future, error=error)
@@ -236,10 +240,11 @@ class _Lockstep:
         finally:
             vote.close()
 
-    def _step(self, jobs: list[Job], rows: int, length: int) -> None:
+    def _step(self, jobs: list[Job], rows: int, length: int, forwards: int) -> None:
         started = time.monotonic()
-        if rows == 0:  # another replica has work: this one forwards a one-row filler whose output is discarded
-            self.forward.forward({"input_ids": torch.zeros(1, 8, dtype=torch.int64, device=self.device)})
+        if rows == 0:  # another replica has work: this one forwards one-row fillers whose output is discarded
+            self.forward.forward({"input_ids": torch.zeros(1, 8, dtype=torch.int64, device=self.device)},
+                                 num_forwards=forwards)
             return
         if self.listens:
             input_ids = torch.cat([job.request.input_ids for job in jobs])
@@ -250,7 +255,7 @@ class _Lockstep:
         input_ids, attention_mask = self._broadcast_tensors(input_ids, attention_mask)
         # NeMo's forward: the client's attention mask, whatever its padding (left padding included).
         output = self.forward.forward({"input_ids": input_ids.to(self.device),
-                                       "attention_mask": attention_mask.to(self.device)})
+                                       "attention_mask": attention_mask.to(self.device)}, num_forwards=forwards)
         self.forwards += 1
         if not self.listens:
             return
