@@ -160,7 +160,9 @@ def _run(args) -> dict:
     rows = demo.demo_rows()
     train_rows = rows[: args.train_rows]
     heldout_rows = rows[demo.HELD_OUT_ROWS.start: demo.HELD_OUT_ROWS.start + args.heldout_rows]
-    assert args.train_rows <= demo.HELD_OUT_ROWS.start and args.heldout_rows <= len(demo.HELD_OUT_ROWS)
+    if args.train_rows > demo.HELD_OUT_ROWS.start or args.heldout_rows > len(demo.HELD_OUT_ROWS):
+        raise SystemExit(f"--train-rows / --heldout-rows: at most {demo.HELD_OUT_ROWS.start} / "
+                         f"{len(demo.HELD_OUT_ROWS)} (ds_capture.demo.HELD_OUT_ROWS)")
     both = _write_jsonl(work / "rows.jsonl", train_rows + heldout_rows)
     _write_jsonl(work / "train.original.jsonl", train_rows)
 

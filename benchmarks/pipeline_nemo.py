@@ -114,9 +114,18 @@ class SpeculativeDecoder:
         """The target's greedy tokens and EAGLE-3 aux hidden states (each aux layer's output) at every position."""
         import torch
 
-        out = self.target(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
-        return out.logits[0].argmax(-1).tolist(), aux
+        # A forward hook on each aux layer: transformers' output_hidden_states gives the last layer's output after
+        # the final norm, not the layer's own output.
+        captured = {}
+        layers = self.target.model.layers
+        hooks = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: captured.__setitem__(
+            i, out[0] if isinstance(out, tuple) else out)) for i in self.aux_layer_ids]
+        try:
+            logits = self.target(input_ids=torch.tensor([ids])).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return logits[0].argmax(-1).tolist(), torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
 
     def _propose(self, draft, token_map, context: list[int], aux, bonus: int) -> list[int]:
         """``k`` draft tokens after ``context + [bonus]``: the draft's step ``s`` reads its step ``s - 1`` output at
@@ -140,7 +149,7 @@ class SpeculativeDecoder:
         """The greedy answer to ``prompt`` and the tokens each verification forward produced."""
         greedy, aux = self._target(prompt)
         context, bonus, generated, per_step = list(prompt), greedy[-1], [greedy[-1]], []
-        while bonus != self.eos and len(generated) < self.max_new_tokens:
+        while generated[-1] != self.eos and len(generated) < self.max_new_tokens:
             proposals = self._propose(draft, token_map, context, aux, bonus)
             greedy, aux = self._target(context + [bonus] + proposals)
             checked = greedy[len(context):]  # checked[i]: the target's token after bonus + proposals[:i]

@@ -11,6 +11,7 @@ Used by the demo run (``ds-capture run`` with no target configured), the tests a
 no model hub is needed anywhere.
 """
 
+import copy
 import fcntl
 import functools
 import hashlib
@@ -441,11 +442,17 @@ TRAINED_TARGET_NAME = "qwen3_moe_trained"
 HELD_OUT_ROWS = range(240, 300)
 TRAINING = dict(steps=300, batch_size=8, lr=3e-3, warmup=20, seq_length=256, seed=0, threads=2)
 GATE = dict(min_top1=0.5, new_tokens=24)
+# How `transformers serve` reads the trained target's replies: everything up to <|im_end|> is the content, as
+# written. Without it, serve falls back to Qwen3's parser, which reads <tool_call>...</tool_call> as JSON, and the
+# demo's tool calls (`convert_currency({...})`) are not: it answers HTTP 500. The reasoning stays inside the content
+# as "<think>...</think>", which the chat template renders to the same tokens.
+RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+                     "fields": {"content": {"close_pattern": r"<\|im_end\|>", "content": "text"}}}
 
 
 def _trained_fingerprint() -> dict:
     return dict(_demo_fingerprint(), name=TRAINED_TARGET_NAME, training=TRAINING, held_out=[HELD_OUT_ROWS.start,
-                HELD_OUT_ROWS.stop], torch=torch.__version__.split("+")[0])
+                HELD_OUT_ROWS.stop], torch=torch.__version__.split("+")[0], response_template=RESPONSE_TEMPLATE)
 
 
 def demo_rows() -> list[dict]:
@@ -475,7 +482,9 @@ def _build_trained_target(out_dir: Path) -> Path:
             f"the gate's {GATE['min_top1']}: its training (ds_capture.demo.TRAINING = {TRAINING}) did not converge; "
             "raise its steps or learning rate."
         )
-    _save_checkpoint(model.eval(), tokenizer, out_dir, "auto")
+    served = copy.deepcopy(tokenizer)  # (demo_tokenizer() is shared: never mutated)
+    served.response_template = RESPONSE_TEMPLATE
+    _save_checkpoint(model.eval(), served, out_dir, "auto")
     (out_dir / "ds_capture_trained.json").write_text(json.dumps({"target_top1": round(top1, 6), **TRAINING}))
     return out_dir
 
