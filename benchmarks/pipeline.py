@@ -5,8 +5,9 @@
 
 1. The target: the demo architecture trained on the bundled conversations (``ds_capture.demo.
    ensure_trained_demo_target``, cached by fingerprint; its gate: mean greedy top-1 probability >= 0.5 on held-out
-   prompts). The split is fixed: training rows are the first ``--train-rows`` of the rows the target was trained
-   on; held-out rows the first ``--heldout-rows`` of ``ds_capture.demo.HELD_OUT_ROWS`` (never trained on).
+   prompts). The split is fixed, within ``ds_capture.demo.HELD_OUT_ROWS`` (rows the target never saw, so the
+   original answers are not ones it has memorised): the drafters' training rows are its first ``--train-rows``,
+   the held-out rows its last ``--heldout-rows``.
 2. ``ds-capture regenerate`` (greedy) against ``transformers serve`` of that target rewrites both.
 3. ``ds-capture run`` into three EAGLE-3 caches, fp32, the full vocabulary as the draft vocabulary: the original
    training rows, the regenerated training rows, the regenerated held-out rows. fp32 because NeMo trains from a
@@ -158,11 +159,10 @@ def _run(args) -> dict:
     now = stage("target", started)
 
     rows = demo.demo_rows()
-    train_rows = rows[: args.train_rows]
-    heldout_rows = rows[demo.HELD_OUT_ROWS.start: demo.HELD_OUT_ROWS.start + args.heldout_rows]
-    if args.train_rows > demo.HELD_OUT_ROWS.start or args.heldout_rows > len(demo.HELD_OUT_ROWS):
-        raise SystemExit(f"--train-rows / --heldout-rows: at most {demo.HELD_OUT_ROWS.start} / "
-                         f"{len(demo.HELD_OUT_ROWS)} (ds_capture.demo.HELD_OUT_ROWS)")
+    unseen = rows[demo.HELD_OUT_ROWS.start: demo.HELD_OUT_ROWS.stop]  # rows the target was never trained on
+    if args.train_rows + args.heldout_rows > len(unseen):
+        raise SystemExit(f"--train-rows + --heldout-rows: at most {len(unseen)} (ds_capture.demo.HELD_OUT_ROWS)")
+    train_rows, heldout_rows = unseen[: args.train_rows], unseen[len(unseen) - args.heldout_rows:]
     both = _write_jsonl(work / "rows.jsonl", train_rows + heldout_rows)
     _write_jsonl(work / "train.original.jsonl", train_rows)
 
@@ -215,7 +215,7 @@ def _run(args) -> dict:
         "stages_seconds": stages,
         "curves": {name: results[name]["curve"] for name in ("original", "regenerated", "online")},
         "decoder": {name: {key: results[name]["trained"][key] for key in
-                           ("verification_steps", "turns", "decoder_turns_equal")}
+                           ("verification_steps", "turns", "decoder_turns_equal", "tau_every_position")}
                     for name in ("original", "regenerated", "online")},
         "loss": {name: [round(results[name]["first_loss"], 4), round(results[name]["last_loss"], 4)]
                  for name in results},

@@ -22,6 +22,9 @@ Tau, at 0 steps (untrained), every ``--eval-every`` optimizer steps and at the e
   own next token. Tau = generated tokens / verification forwards, up to the end-of-turn token or
   ``--max-new-tokens`` (the regeneration's ``--max-tokens``). ``decoder_turns_equal`` counts the turns whose
   decoded tokens equal the regenerated turn's (the server's greedy answer), a check that both sides decode alike.
+  ``tau_every_position``: the same proposals from every position of the greedy answer, not only from those the
+  decoder reached, reduced as NeMo reduces its prefix hits (1 + the sum over depths of the fraction of chains still
+  right); where it meets ``nemo`` and ``tau`` does not, the difference is which positions a decoder drafts from.
 
 Prints one JSON object (and writes it to ``--out``).
 """
@@ -166,10 +169,24 @@ class SpeculativeDecoder:
             per_step.append(len(new))
         return generated, per_step
 
+    def every_position(self, draft, token_map, prompt: list[int], generated: list[int], hits: list, valid: list):
+        """NeMo's estimate, from real proposals: from every position of the greedy answer (not only where the decoder
+        verified), whether the first ``d`` proposals are the target's next ``d`` tokens (counted where the answer
+        has ``d`` more tokens), summed into ``hits[d-1]`` / ``valid[d-1]``."""
+        _, aux = self._target(prompt + generated)
+        for anchor in range(len(generated) - 1):
+            proposals = self._propose(draft, token_map, prompt + generated[:anchor], aux, generated[anchor])
+            for depth in range(1, self.k + 1):
+                if anchor + depth >= len(generated):
+                    break
+                valid[depth - 1] += 1
+                hits[depth - 1] += proposals[:depth] == generated[anchor + 1: anchor + 1 + depth]
+
     def tau(self, draft, token_map, rows: list[dict]) -> dict:
         import torch
 
         steps, tokens, turns, equal = 0, 0, 0, 0
+        hits, valid = [0] * self.k, [0] * self.k
         draft.eval()
         with torch.no_grad():
             for row in rows:
@@ -182,11 +199,13 @@ class SpeculativeDecoder:
                     whole = self.tokenizer.apply_chat_template(messages[: index + 1], tokenize=True,
                                                                return_dict=False)
                     generated, per_step = self.decode_turn(draft, token_map, prompt)
+                    self.every_position(draft, token_map, prompt, generated, hits, valid)
                     steps, tokens, turns = steps + len(per_step), tokens + sum(per_step), turns + 1
                     # The regenerated turn as the template renders it ends "<|im_end|>\n"; a cut one, mid-answer.
                     equal += whole[len(prompt): len(prompt) + len(generated)] == generated
+        every = 1 + sum(hit / max(count, 1) for hit, count in zip(hits, valid))
         return {"tau": tokens / max(steps, 1), "verification_steps": steps, "turns": turns,
-                "decoder_turns_equal": equal}
+                "decoder_turns_equal": equal, "tau_every_position": round(every, 4)}
 
 
 def main(argv: list[str]) -> int:
