@@ -7,10 +7,15 @@ tokenizer with a ChatML template carrying ``{% generation %}`` markers), built d
 same arguments, same bytes. ``ensure_demo_target()`` builds the default target once under
 ``demo_home()/targets`` and is safe to call from several ranks at once.
 
+``ensure_trained_demo_target()`` (``demo:qwen3_moe_trained``) is the same architecture trained on the bundled
+conversations, so that its answers mean something (the acceptance pipeline, benchmarks/pipeline.py): built once
+the same way, gated on held-out rows.
+
 Used by the demo run (``ds-capture run`` with no target configured), the tests and the benchmarks:
 no model hub is needed anywhere.
 """
 
+import copy
 import fcntl
 import functools
 import hashlib
@@ -30,6 +35,7 @@ from ds_capture.errors import CaptureError
 
 DEMO_TARGET = "demo:qwen3_moe_tiny"
 DEMO_DATA = "demo:conversations"
+DEMO_TRAINED_TARGET = "demo:qwen3_moe_trained"  # the demo target trained on DEMO_DATA
 
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
@@ -254,7 +260,8 @@ def resolve_special_path(value: str) -> str:
     """Map ``demo:...`` config values to real paths (building the demo target if needed)."""
     if not value.startswith("demo:"):
         return value
-    resolvers = {DEMO_TARGET: lambda: str(ensure_demo_target()), DEMO_DATA: lambda: str(demo_data_path())}
+    resolvers = {DEMO_TARGET: lambda: str(ensure_demo_target()), DEMO_DATA: lambda: str(demo_data_path()),
+                 DEMO_TRAINED_TARGET: lambda: str(ensure_trained_demo_target())}
     if value not in resolvers:
         raise CaptureError(
             f"unknown demo name {value!r}: the valid demo names are {', '.join(sorted(resolvers))}; "
@@ -327,6 +334,14 @@ def build_tiny_target(
             f"{', '.join(sorted(TINY_CONFIGS))}; add an entry to ds_capture.demo.TINY_CONFIGS."
         )
     tokenizer = demo_tokenizer() if tokenizer is None else tokenizer
+    model = _tiny_model(model_type, seed=seed, tokenizer=tokenizer, **config_overrides)
+    if dtype != torch.float32:
+        model = model.to(dtype)  # (a cast to fp32 would drop the imaginary part of Llama 4's complex rotary buffer)
+    return _save_checkpoint(model, tokenizer, out_dir, max_shard_size)
+
+
+def _tiny_model(model_type: str, *, seed: int, tokenizer, **config_overrides) -> torch.nn.Module:
+    """The random-init fp32 ``model_type`` model of ``build_tiny_target`` (in eval mode), not saved."""
     special_ids = dict(
         vocab_size=_padded_vocab_size(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -338,11 +353,14 @@ def build_tiny_target(
     # The release's class: Kimi-K2.5's vision-language class; Llama 4's wrapper (its family builds the text model).
     auto_class = getattr(transformers, RELEASE_CLASSES.get(model_type, "AutoModelForCausalLM"))
     model = auto_class.from_config(config, dtype=torch.float32).eval()
-    if dtype != torch.float32:
-        model = model.to(dtype)  # (a cast to fp32 would drop the imaginary part of Llama 4's complex rotary buffer)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
     )
+    return model
+
+
+def _save_checkpoint(model, tokenizer, out_dir: Path, max_shard_size: str | int) -> Path:
+    """``model`` and ``tokenizer`` saved at ``out_dir`` (built in a sibling temp directory, renamed into place)."""
     if max_shard_size == "auto":
         num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         max_shard_size = math.ceil(num_bytes / 3)
@@ -394,18 +412,23 @@ def ensure_demo_target() -> Path:
     Several ranks may call this at once: one builds under an exclusive file lock while the others
     wait on it, then find the finished directory (it appears by atomic rename, never half-written).
     """
-    target = demo_home() / "targets" / DEMO_TARGET_NAME
-    fingerprint = _demo_fingerprint()
+    return _ensure_built(DEMO_TARGET_NAME, _demo_fingerprint(),
+                         lambda out: build_tiny_target(out, DEMO_MODEL_TYPE, seed=DEMO_SEED, **DEMO_CONFIG))
+
+
+def _ensure_built(name: str, fingerprint: dict, build) -> Path:
+    """``demo_home()/targets/name``, built by ``build(path)`` unless its stamp holds ``fingerprint`` (file-locked)."""
+    target = demo_home() / "targets" / name
     if _is_current(target, fingerprint):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{DEMO_TARGET_NAME}.lock", "w") as lock:
+    with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not _is_current(target, fingerprint):
-                staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_TARGET_NAME}.build-", dir=target.parent))
+                staging = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=target.parent))
                 try:
-                    built = build_tiny_target(staging / DEMO_TARGET_NAME, DEMO_MODEL_TYPE, seed=DEMO_SEED, **DEMO_CONFIG)
+                    built = build(staging / name)
                     # The stamp goes in before the rename, so a visible target is always complete.
                     (built / _FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
                     _replace_dir(built, target)
@@ -414,3 +437,118 @@ def ensure_demo_target() -> Path:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return target
+
+
+# The trained demo target: the demo target's architecture trained on the bundled conversations, so that its
+# answers mean something (the random-init target is near-uniform: a drafter can learn nothing from it). Rows
+# HELD_OUT_ROWS of the bundled conversations are never trained on: the gate and the acceptance pipeline use them
+# (a drafter's training rows included, so their original answers are not ones the target has memorised).
+TRAINED_TARGET_NAME = "qwen3_moe_trained"
+HELD_OUT_ROWS = range(150, 300)
+TRAINING = dict(steps=300, batch_size=8, lr=3e-3, warmup=20, seq_length=256, seed=0, threads=1)
+GATE = dict(min_top1=0.5, new_tokens=24)
+# How `transformers serve` reads the trained target's replies: everything up to <|im_end|> is the content, as
+# written. Without it, serve falls back to Qwen3's parser, which reads <tool_call>...</tool_call> as JSON, and the
+# demo's tool calls (`convert_currency({...})`) are not: it answers HTTP 500. The reasoning stays inside the content
+# as "<think>...</think>", which the chat template renders to the same tokens.
+RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+                     "fields": {"content": {"close_pattern": r"<\|im_end\|>", "content": "text"}}}
+
+
+def _trained_fingerprint() -> dict:
+    return dict(_demo_fingerprint(), name=TRAINED_TARGET_NAME, training=TRAINING, held_out=[HELD_OUT_ROWS.start,
+                HELD_OUT_ROWS.stop], torch=torch.__version__.split("+")[0], response_template=RESPONSE_TEMPLATE)
+
+
+def demo_rows() -> list[dict]:
+    """The bundled conversations, one dict per row, in file order."""
+    return [json.loads(line) for line in demo_data_path().read_text(encoding="utf-8").splitlines()]
+
+
+def ensure_trained_demo_target() -> Path:
+    """Train the demo target on the bundled conversations once (cached as ``ensure_demo_target`` caches) and
+    return its directory; its stamp also holds the gate's figure (``target_top1``)."""
+    return _ensure_built(TRAINED_TARGET_NAME, _trained_fingerprint(), _build_trained_target)
+
+
+def trained_target_top1(target: Path) -> float:
+    """The gate's figure of a trained target: mean greedy top-1 probability on the held-out prompts."""
+    return json.loads((Path(target) / "ds_capture_trained.json").read_text())["target_top1"]
+
+
+def _build_trained_target(out_dir: Path) -> Path:
+    tokenizer = demo_tokenizer()
+    model = train_demo_model(demo_rows()[: HELD_OUT_ROWS.start], tokenizer, **TRAINING)
+    prompts = [_first_prompt(row) for row in demo_rows()[HELD_OUT_ROWS.start: HELD_OUT_ROWS.stop]]
+    top1 = greedy_top1(model, tokenizer, prompts, new_tokens=GATE["new_tokens"])
+    if top1 < GATE["min_top1"]:
+        raise CaptureError(
+            f"the trained demo target's mean greedy top-1 probability on the held-out prompts is {top1:.3f}, under "
+            f"the gate's {GATE['min_top1']}: its training (ds_capture.demo.TRAINING = {TRAINING}) did not converge; "
+            "raise its steps or learning rate."
+        )
+    served = copy.deepcopy(tokenizer)  # (demo_tokenizer() is shared: never mutated)
+    served.response_template = RESPONSE_TEMPLATE
+    _save_checkpoint(model.eval(), served, out_dir, "auto")
+    (out_dir / "ds_capture_trained.json").write_text(json.dumps({"target_top1": round(top1, 6), **TRAINING}))
+    return out_dir
+
+
+def _first_prompt(row: dict) -> list[dict]:
+    """A row's messages before its first assistant turn."""
+    messages = row["messages"]
+    first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
+    return messages[:first]
+
+
+def train_demo_model(rows: list[dict], tokenizer, *, steps: int, batch_size: int, lr: float, warmup: int,
+                     seq_length: int, seed: int, threads: int) -> torch.nn.Module:
+    """The demo architecture (random init, seed ``DEMO_SEED``) trained on ``rows`` (next-token loss on every
+    token of the chat template), deterministically: fixed seeds, a fixed batch order, ``threads`` torch threads
+    (a CPU float sum's order depends on the thread count), one process."""
+    sequences = [tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)[:seq_length]
+                 for row in rows]
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = _tiny_model(DEMO_MODEL_TYPE, seed=DEMO_SEED, tokenizer=tokenizer, **DEMO_CONFIG).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        order = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            picked = torch.randint(len(sequences), (batch_size,), generator=order).tolist()
+            width = max(len(sequences[i]) for i in picked)
+            input_ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+            labels = torch.full((batch_size, width), -100, dtype=torch.long)
+            for row, i in enumerate(picked):
+                input_ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                labels[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            loss = model(input_ids=input_ids, attention_mask=(labels != -100).long(), labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_top1(model, tokenizer, prompts: list[list[dict]], *, new_tokens: int) -> float:
+    """Mean over greedy decoding steps (``new_tokens`` per prompt, or to the end-of-turn token) of the
+    probability the model gives its greedy token."""
+    model = model.eval()
+    probabilities = []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        ids = torch.tensor([ids])
+        for _ in range(new_tokens):
+            probs = torch.softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
+            top = int(probs.argmax())
+            probabilities.append(float(probs[top]))
+            if top == tokenizer.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[top]])], dim=1)
+    return sum(probabilities) / len(probabilities)

@@ -4,6 +4,7 @@
     python3 scripts/dev.py demo          # build the demo target, capture, verify the cache (one process)
     python3 scripts/dev.py test [ARGS]   # the test suite CI runs (ARGS go to pytest)
     python3 scripts/dev.py test --full   # every cell of the slow equality matrices too (DS_CAPTURE_FULL=1)
+    python3 scripts/dev.py pipeline      # regenerate -> capture / serve -> NeMo trains drafters -> tau (outputs/pipeline)
 
 The environment is a virtualenv in ``.venv`` (override with ``DS_CAPTURE_VENV``). It is created
 on first use and reinstalled only when ``pyproject.toml`` changes. torch is pinned to the CPU
@@ -83,7 +84,7 @@ def ensure_shm_op(python: Path, env: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "env"):
+    if not argv or argv[0] not in ("demo", "test", "env", "pipeline"):
         print(__doc__)
         return 2
     python = ensure_env(() if argv[0] == "demo" else test_extras())
@@ -96,6 +97,10 @@ def main(argv: list[str]) -> int:
         ensure_shm_op(python, env)
     if command == "env":
         return 0
+    if command == "pipeline":
+        # benchmarks/pipeline.py: the demo target trained, regenerated, captured, served, NeMo's drafters, tau.
+        return subprocess.run([str(python), str(ROOT / "benchmarks" / "pipeline.py"), *rest], cwd=ROOT,
+                              env=env).returncode
     if command == "test":
         if "--full" in rest:
             rest = [arg for arg in rest if arg != "--full"]

@@ -211,7 +211,8 @@ def test_resolve_special_path(monkeypatch, tmp_path):
     with pytest.raises(CaptureError) as err:
         demo.resolve_special_path("demo:llama")
     assert str(err.value) == (
-        "unknown demo name 'demo:llama': the valid demo names are demo:conversations, demo:qwen3_moe_tiny; "
+        "unknown demo name 'demo:llama': the valid demo names are demo:conversations, demo:qwen3_moe_tiny, "
+        "demo:qwen3_moe_trained; "
         "use one of them, or give a real path or model id instead."
     )
 
@@ -258,3 +259,44 @@ def test_release_classes_agree_with_the_family_registry():
         family = FAMILIES[model_type]
         assert family.auto_class == expected or model_type == "llama4", model_type
     assert FAMILIES["llama4"].auto_class == "AutoModelForCausalLM"  # the registry builds Llama 4's text model
+
+
+def _weights(model) -> dict:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_trained_demo_model_is_deterministic():
+    """The same rows and settings train the same weights (bit for bit); another seed draws other batches."""
+    rows = _rows()[:8]
+    settings = dict(steps=2, batch_size=2, lr=3e-3, warmup=1, seq_length=64, seed=0, threads=1)
+    first = _weights(demo.train_demo_model(rows, demo.demo_tokenizer(), **settings))
+    second = _weights(demo.train_demo_model(rows, demo.demo_tokenizer(), **settings))
+    other = _weights(demo.train_demo_model(rows, demo.demo_tokenizer(), **dict(settings, seed=1)))
+    untrained = _weights(demo._tiny_model(demo.DEMO_MODEL_TYPE, seed=demo.DEMO_SEED, tokenizer=demo.demo_tokenizer(),
+                                          **demo.DEMO_CONFIG))
+    assert first.keys() == untrained.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not torch.equal(first["lm_head.weight"], other["lm_head.weight"])
+    assert not torch.equal(first["lm_head.weight"], untrained["lm_head.weight"])
+
+
+def test_trained_target_is_held_out_and_gated(monkeypatch, tmp_path):
+    """The trained target never sees HELD_OUT_ROWS; a target under the gate is refused, naming the figure and the
+    fix, and nothing is left where the target would be. (The random-init model stands in for a failed training.)"""
+    monkeypatch.setenv("DS_CAPTURE_HOME", str(tmp_path))
+    monkeypatch.setitem(demo.GATE, "new_tokens", 2)
+    trained_on = []
+
+    def untrained(rows, tokenizer, **settings):
+        trained_on.extend(rows)
+        return demo._tiny_model(demo.DEMO_MODEL_TYPE, seed=demo.DEMO_SEED, tokenizer=tokenizer, **demo.DEMO_CONFIG)
+
+    monkeypatch.setattr(demo, "train_demo_model", untrained)
+    with pytest.raises(CaptureError) as err:
+        demo.ensure_trained_demo_target()
+    assert trained_on == _rows()[: demo.HELD_OUT_ROWS.start]
+    assert str(err.value).startswith("the trained demo target's mean greedy top-1 probability on the held-out prompts "
+                                     "is 0.0")
+    assert "under the gate's 0.5" in str(err.value) and "raise its steps or learning rate" in str(err.value)
+    assert not (tmp_path / "targets" / demo.TRAINED_TARGET_NAME).exists()
+    assert demo._trained_fingerprint() != demo._demo_fingerprint()

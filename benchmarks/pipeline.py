@@ -1,0 +1,282 @@
+"""The whole path on CPU: regenerate, capture (offline, or online through ``serve``), NeMo trains a drafter, tau.
+
+    python3 scripts/dev.py pipeline                  # the figures of README "The pipeline proves its worth"
+    python benchmarks/pipeline.py [--out-dir outputs/pipeline] [--train-rows 96] [--heldout-rows 24] [--epochs 10]
+
+1. The target: the demo architecture trained on the bundled conversations (``ds_capture.demo.
+   ensure_trained_demo_target``, cached by fingerprint; its gate: mean greedy top-1 probability >= 0.5 on held-out
+   prompts). The split is fixed, within ``ds_capture.demo.HELD_OUT_ROWS`` (rows the target never saw, so the
+   original answers are not ones it has memorised): the drafters' training rows are its first ``--train-rows``,
+   the held-out rows its last ``--heldout-rows``.
+2. ``ds-capture regenerate`` (greedy) against ``transformers serve`` of that target rewrites both.
+3. ``ds-capture run`` into three EAGLE-3 caches, fp32, the full vocabulary as the draft vocabulary: the original
+   training rows, the regenerated training rows, the regenerated held-out rows. fp32 because NeMo trains from a
+   bf16 cache only on CUDA: on CPU its fp32 draft meets the bf16 states and fails with ``expected m1 and m2 to
+   have the same dtype``.
+4. NeMo's own ``train_eagle3`` (benchmarks/pipeline_nemo.py, one process each, the same seed, epochs and batch
+   order) from each training cache; then once more with ``target_model_backend: remote`` against ``ds-capture
+   serve`` of the target, on the regenerated training rows.
+5. Tau (accepted tokens per verification step, ``--draft-tokens`` drafted) for the untrained drafter and the
+   three trained ones, by NeMo's ``simulated_accept_length`` over the held-out cache and by an independent greedy
+   speculative decoder on the held-out prompts (benchmarks/pipeline_nemo.py says how each is computed).
+
+Writes ``acceptance.json`` (target_top1, draft_tokens, tau: {untrained, original, regenerated, online} ->
+{nemo, decoder}, steps, seconds, and the curves and stage timings) and ``acceptance.png`` (tau against training
+steps, original beside regenerated) under ``--out-dir``; the work files go to ``--out-dir``/work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a checkout: the package, tests/regenerate/server.py, tests/serve_support.py
+
+from ds_capture import demo  # noqa: E402
+
+AUX_LAYER_IDS = [1, 2, 3]  # the demo has 4 layers; NeMo's default [1, L//2-1, L-4] needs L >= 7
+SEQ_LENGTH = 256
+
+
+def _cli(*args: str, log: Path) -> None:
+    """``ds-capture ARGS`` (as ``python -m ds_capture``), its output into ``log``; raises with the log's tail."""
+    with open(log, "ab") as out:
+        code = subprocess.run([sys.executable, "-m", "ds_capture", *args], cwd=ROOT, stdout=out,
+                              stderr=subprocess.STDOUT, env=_env()).returncode
+    if code:
+        raise RuntimeError(f"ds-capture {' '.join(args)} exited {code}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "HF_HUB_OFFLINE": "1"}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def capture_recipe(target: Path, data: Path, cache: Path) -> dict:
+    return {
+        "cache_kind": "eagle3", "engine": "deepspeed",
+        "recipe_args": {"target_model_name_or_path": str(target), "train_data_path": str(data),
+                        "cache_output_dir": str(cache), "seq_length": SEQ_LENGTH, "micro_batch_size": 8,
+                        "cache_shard_size": 64, "cache_dtype": "fp32", "aux_layer_ids": AUX_LAYER_IDS,
+                        "mask_generation_prompt": False, "mask_reasoning_content": False},
+        "capture": {"compute_dtype": "fp32"},
+        "dist_env": {"timeout_minutes": 5},
+    }
+
+
+def _write_recipe(path: Path, recipe: dict) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+_STARTED: list[subprocess.Popen] = []  # every background process, ended on any way out of run()
+
+
+def _capture(target: Path, work: Path, name: str, data: str) -> subprocess.Popen:
+    """``ds-capture run`` of ``data`` into ``work/cache_NAME`` (fp32, the full vocabulary), in the background."""
+    recipe = _write_recipe(work / f"capture_{name}.yaml", capture_recipe(target, work / data, work / f"cache_{name}"))
+    log = open(work / f"capture_{name}.log", "wb")
+    _STARTED.append(subprocess.Popen([sys.executable, "-m", "ds_capture", "run", "-c", str(recipe), "--no-progress"],
+                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=_env()))
+    return _STARTED[-1]
+
+
+def _finish(process: subprocess.Popen, work: Path, name: str) -> None:
+    if process.wait():
+        raise RuntimeError(f"ds-capture run of the {name} rows exited {process.returncode}:\n"
+                           f"{(work / f'capture_{name}.log').read_text(errors='replace')[-3000:]}")
+
+
+def _nemo(args, work: Path, name: str, extra: list[str]) -> subprocess.Popen:
+    """benchmarks/pipeline_nemo.py for one drafter, in the background (its log and result under ``work``)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "pipeline_nemo.py"), "--target", str(args.target),
+               "--heldout-cache", str(work / "cache_heldout"), "--heldout-data", str(work / "heldout.regenerated.jsonl"),
+               "--epochs", str(args.epochs), "--eval-every", str(args.eval_every), "--seq-length", str(SEQ_LENGTH),
+               "--batch-size", str(args.batch_size), "--draft-tokens", str(args.draft_tokens), "--lr", str(args.lr),
+               "--seed", str(args.seed), "--max-new-tokens", str(args.max_tokens), "--aux-layer-ids",
+               *map(str, AUX_LAYER_IDS), "--out", str(work / f"{name}.json"), *extra]
+    log = open(work / f"{name}.log", "wb")
+    env = {**_env(), "OMP_NUM_THREADS": "1"}  # the drafters train side by side
+    _STARTED.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return _STARTED[-1]
+
+
+def _wait(process: subprocess.Popen, work: Path, name: str) -> dict:
+    if process.wait():
+        raise RuntimeError(f"NeMo's training of the {name} drafter exited {process.returncode}:\n"
+                           f"{(work / f'{name}.log').read_text(errors='replace')[-4000:]}")
+    return json.loads((work / f"{name}.json").read_text())
+
+
+def run(args) -> dict:
+    try:
+        return _run(args)
+    finally:
+        for process in _STARTED:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        _STARTED.clear()
+
+
+def _run(args) -> dict:
+    from tests.regenerate.server import TransformersServe
+    from tests.serve_support import ServiceProcess
+
+    started = time.perf_counter()
+    stages: dict[str, float] = {}
+
+    def stage(name: str, since: float) -> float:
+        now = time.perf_counter()
+        stages[name] = round(now - since, 1)
+        print(f"[pipeline] {name}: {stages[name]} s", flush=True)
+        return now
+
+    out_dir = args.out_dir
+    work = out_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.iterdir():  # every run from scratch (regenerate and run would continue / refuse otherwise)
+        subprocess.run(["rm", "-rf", str(stale)], check=True)
+
+    if args.target is None:
+        print("[pipeline] the trained demo target (trained once, then cached: a few minutes the first time)",
+              flush=True)
+        args.target = demo.ensure_trained_demo_target()
+    top1 = demo.trained_target_top1(args.target) if (args.target / "ds_capture_trained.json").is_file() else None
+    now = stage("target", started)
+
+    rows = demo.demo_rows()
+    unseen = rows[demo.HELD_OUT_ROWS.start: demo.HELD_OUT_ROWS.stop]  # rows the target was never trained on
+    if args.train_rows + args.heldout_rows > len(unseen):
+        raise SystemExit(f"--train-rows + --heldout-rows: at most {len(unseen)} (ds_capture.demo.HELD_OUT_ROWS)")
+    train_rows, heldout_rows = unseen[: args.train_rows], unseen[len(unseen) - args.heldout_rows:]
+    both = _write_jsonl(work / "rows.jsonl", train_rows + heldout_rows)
+    _write_jsonl(work / "train.original.jsonl", train_rows)
+
+    # The stages overlap where their inputs allow (two cores): the original rows are captured while the server
+    # regenerates; each drafter trains as soon as its cache (and the held-out cache) is written; ds-capture serve
+    # starts beside the captures of the regenerated rows.
+    captures = {"original": _capture(args.target, work, "original", "train.original.jsonl")}
+    with TransformersServe(args.target, work, threads=1) as server:
+        now = stage("transformers_serve_start", now)
+        _cli("regenerate", "--data", str(both), "--output", str(work / "rows.regenerated.jsonl"), "--url", server.url,
+             "--model", str(args.target), "--max-tokens", str(args.max_tokens), "--temperature", "0",
+             "--concurrency", "1", "--no-progress", log=work / "regenerate.log")
+    regenerated = [json.loads(line) for line in (work / "rows.regenerated.jsonl").read_text().splitlines()]
+    _write_jsonl(work / "train.regenerated.jsonl", regenerated[: len(train_rows)])
+    _write_jsonl(work / "heldout.regenerated.jsonl", regenerated[len(train_rows):])
+    now = stage("regenerate", now)
+
+    captures["heldout"] = _capture(args.target, work, "heldout", "heldout.regenerated.jsonl")
+    captures["regenerated"] = _capture(args.target, work, "regenerated", "train.regenerated.jsonl")
+    serve_recipe = capture_recipe(args.target, work / "train.regenerated.jsonl", work / "unused")
+    serve = ServiceProcess(_write_recipe(work / "serve.yaml", serve_recipe), wait=False)
+    try:
+        _finish(captures.pop("heldout"), work, "heldout")
+        _finish(captures.pop("original"), work, "original")
+        training = {"original": _nemo(args, work, "original", ["--cache", str(work / "cache_original"),
+                                                               "--decode-untrained"])}
+        _finish(captures.pop("regenerated"), work, "regenerated")
+        now = stage("capture", now)
+        training["regenerated"] = _nemo(args, work, "regenerated", ["--cache", str(work / "cache_regenerated")])
+        serve.wait_healthy(300)
+        training["online"] = _nemo(args, work, "online", ["--remote-url", serve.url, "--data",
+                                                          str(work / "train.regenerated.jsonl")])
+        results = {name: _wait(process, work, name) for name, process in training.items()}
+    finally:
+        serve.stop()
+        (work / "serve.log").write_text(serve.log())
+    now = stage("nemo_training_and_tau", now)
+
+    untrained = results["original"]["untrained"]
+    tau = {"untrained": {"nemo": untrained["nemo"], "decoder": round(untrained["tau"], 4)}}
+    for name in ("original", "regenerated", "online"):
+        trained = results[name]["trained"]
+        tau[name] = {"nemo": trained["nemo"], "decoder": round(trained["tau"], 4)}
+    report = {
+        "target_top1": top1,
+        "draft_tokens": args.draft_tokens,
+        "tau": tau,
+        "steps": results["regenerated"]["steps"],
+        "seconds": round(time.perf_counter() - started, 1),
+        "stages_seconds": stages,
+        "curves": {name: results[name]["curve"] for name in ("original", "regenerated", "online")},
+        "decoder": {name: {key: results[name]["trained"][key] for key in
+                           ("verification_steps", "turns", "decoder_turns_equal", "tau_every_position")}
+                    for name in ("original", "regenerated", "online")},
+        "loss": {name: [round(results[name]["first_loss"], 4), round(results[name]["last_loss"], 4)]
+                 for name in results},
+        "nemo_seconds": {name: {key: results[name][key] for key in ("setup_seconds", "train_seconds", "seconds")}
+                         for name in results},
+        "settings": {"train_rows": len(train_rows), "heldout_rows": len(heldout_rows), "epochs": args.epochs,
+                     "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+                     "max_tokens": args.max_tokens, "seq_length": SEQ_LENGTH, "cache_dtype": "fp32",
+                     "draft_vocab": "full", "aux_layer_ids": AUX_LAYER_IDS, "threads": os.cpu_count()},
+    }
+    (out_dir / "acceptance.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out_dir / "acceptance.png")
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    styles = {"original": ("trained on the original answers", "tab:gray", "o"),
+              "regenerated": ("trained on the regenerated answers", "tab:blue", "s"),
+              "online": ("regenerated, online through ds-capture serve", "tab:orange", "")}
+    for name, (label, color, marker) in styles.items():
+        curve = report["curves"][name]
+        ax.plot([p["step"] for p in curve], [p["nemo"] for p in curve], label=label, color=color, marker=marker,
+                markersize=3, linestyle="--" if name == "online" else "-", linewidth=1.2)
+        final = report["tau"][name]["decoder"]
+        ax.scatter([curve[-1]["step"]], [final], color=color, marker="x", s=50, zorder=3)
+    ax.set_xlabel("NeMo train_eagle3 optimizer steps")
+    ax.set_ylabel(f"tau: tokens per verification ({report['draft_tokens']} drafted)")
+    ax.set_title("Held-out acceptance length of the demo's drafter (CPU)\n"
+                 "lines: NeMo simulated_accept_length; x: greedy speculative decoder", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "outputs" / "pipeline")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="another target checkpoint (default: the trained demo target, built once)")
+    parser.add_argument("--train-rows", type=int, default=96)
+    parser.add_argument("--heldout-rows", type=int, default=24)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-tokens", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64, help="regenerate's --max-tokens (and the decoder's)")
+    args = parser.parse_args(argv)
+    report = run(args)
+    print(json.dumps({key: report[key] for key in ("target_top1", "draft_tokens", "tau", "steps", "seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
