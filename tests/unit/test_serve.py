@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import threading
 from pathlib import Path
 
 import httpx
@@ -219,6 +218,42 @@ def test_metrics_health_and_serving_after_disconnect(service):
     assert "generate requests" in service.log() and "tokens/s, queue" in service.log()  # the progress line
 
 
+def test_chunked_prefill_answers_equal_whole_rows(service, target, tmp_path):
+    """A service forwarding rows in chunks of 32 tokens (capture.chunked_prefill) answers as the whole-row one does:
+    integer tensors equal, floats within 1e-5 of their maximum, left-padded rows (the client's mask) included."""
+    import yaml
+
+    from tests.serve_support import identity_mapping
+
+    recipe = write_serve_recipe(tmp_path / "chunked.yaml", target, seq_length=SEQ_LENGTH)
+    loaded = yaml.safe_load(recipe.read_text())
+    loaded["capture"]["chunked_prefill"] = 32
+    recipe.write_text(yaml.safe_dump(loaded))
+    chunked = ServiceProcess(recipe)
+    try:
+        mapping = identity_mapping(int(json.loads((target / "config.json").read_text())["vocab_size"]))
+        # One connection per service, bound to its vocabulary (other tests' vocabularies may still be live).
+        clients = [httpx.Client(base_url=url, timeout=120) for url in (service.url, chunked.url)]
+        for client in clients:
+            assert client.post("/set_vocab_mapping", content=mapping).status_code == 200
+        for seed, length in ((0, SEQ_LENGTH), (1, 100), (2, 40)):  # 4, 4 (a partial last chunk) and 2 chunks
+            body = generate_body(2, length, seed)
+            answers = [client.post("/generate", content=body) for client in clients]
+            assert [answer.status_code for answer in answers] == [200, 200], answers[0].text[:300]
+            whole, ours = (decode(answer.content) for answer in answers)
+            assert sorted(whole) == sorted(ours)
+            for key, expected in whole.items():
+                if expected.is_floating_point():
+                    scale = expected.abs().max().clamp_min(1.0)
+                    assert ((ours[key] - expected).abs().max() / scale).item() <= 1e-5, (seed, key)
+                else:
+                    assert torch.equal(ours[key], expected), (seed, key)
+        for client in clients:
+            client.close()
+    finally:
+        assert chunked.stop(timeout_s=20) == 0
+
+
 def test_sigterm_stops_the_service_with_exit_0(service):
     assert service.stop(signal.SIGTERM, timeout_s=20) == 0, service.log()[-3000:]
     print(f"one process: SIGTERM -> exit 0 in {service.stop_seconds:.2f} s")
@@ -291,32 +326,3 @@ def test_every_endpoint_equals_nemos_own_server_for_other_families(model_type, t
         service.stop(timeout_s=20)
     assert verdict["all_equal"], [r for r in verdict["results"] if not r["equal"]]
 
-
-def test_chunked_prefill_answers_equal_whole_rows(service, target, tmp_path):
-    """A service forwarding rows in chunks of 32 tokens (capture.chunked_prefill) answers as the whole-row one does:
-    integer tensors equal, floats within 1e-5 of their maximum, left-padded rows (the client's mask) included."""
-    import yaml
-
-    from tests.serve_support import identity_mapping
-
-    recipe = write_serve_recipe(tmp_path / "chunked.yaml", target, seq_length=SEQ_LENGTH)
-    loaded = yaml.safe_load(recipe.read_text())
-    loaded["capture"]["chunked_prefill"] = 32
-    recipe.write_text(yaml.safe_dump(loaded))
-    chunked = ServiceProcess(recipe)
-    try:
-        mapping = identity_mapping(int(json.loads((target / "config.json").read_text())["vocab_size"]))
-        for url in (service.url, chunked.url):
-            assert post(url, "set_vocab_mapping", mapping).status_code == 200
-        for seed, length in ((0, SEQ_LENGTH), (1, 100), (2, 40)):  # 4, 4 (a partial last chunk) and 2 chunks
-            body = generate_body(2, length, seed)
-            whole, ours = (decode(post(url, "generate", body).content) for url in (service.url, chunked.url))
-            assert sorted(whole) == sorted(ours)
-            for key, expected in whole.items():
-                if expected.is_floating_point():
-                    scale = expected.abs().max().clamp_min(1.0)
-                    assert ((ours[key] - expected).abs().max() / scale).item() <= 1e-5, (seed, key)
-                else:
-                    assert torch.equal(ours[key], expected), (seed, key)
-    finally:
-        assert chunked.stop(timeout_s=20) == 0
