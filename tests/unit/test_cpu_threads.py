@@ -79,9 +79,19 @@ def test_a_rerun_continues_with_the_recorded_count_and_refuses_an_explicit_other
         "--restart to recompute every shard with the new count.")
     # --restart (not resuming), a GPU forward now or then, a cache without a record: this run's own numerics.
     assert continue_numerics(out, CPU, setting=4, resuming=False) == (CPU, False)
-    gpu = {**CPU, "device": "cuda", "compute_dtype": "bf16", "cpu_threads": None}
+    gpu = {**CPU, "device": "cuda", "cpu_threads": None}
     assert continue_numerics(out, gpu, setting=4, resuming=True) == (gpu, False)
     assert continue_numerics(record(tmp_path / "gpu", gpu), CPU, setting=4, resuming=True) == (CPU, False)
+    # Another compute dtype (auto: bf16 on CUDA, fp32 on CPU) is refused, whatever the device.
+    bf16 = record(tmp_path / "bf16", {**gpu, "compute_dtype": "bf16"})
+    with pytest.raises(CaptureError) as caught:
+        continue_numerics(bf16, CPU, setting="auto", resuming=True)
+    assert str(caught.value) == (
+        f"{bf16} was begun computing in bf16 (.ds_capture/numerics.json), and this run computes in fp32 "
+        "(capture.compute_dtype; auto is bf16 on CUDA, fp32 on CPU): shards computed in the two dtypes differ and "
+        "cannot be mixed in one cache. Set capture.compute_dtype: bf16 to continue this cache, use a new "
+        "cache_output_dir, or pass --restart to recompute every shard in the new dtype.")
+    assert continue_numerics(bf16, CPU, setting="auto", resuming=False) == (CPU, False)
     assert continue_numerics(tmp_path / "none", CPU, setting=4, resuming=True) == (CPU, False)
 
 

@@ -49,9 +49,12 @@ def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resum
 
     The chunked prefill's chunk likewise, on any device: a rerun with ``capture.chunked_prefill: auto`` continues
     with the recorded chunk (a cache recorded without one was made of whole rows); another explicit setting is
-    refused, so one cache never mixes two chunk sizes."""
+    refused, so one cache never mixes two chunk sizes. A compute dtype other than the recorded one is refused too
+    (``capture.compute_dtype: auto`` is bf16 on CUDA and fp32 on CPU: a cache begun on one continues on the other
+    only with the dtype set)."""
     recorded = (read_numerics(out_dir) if resuming else None) or {}
     if recorded:
+        _refuse_other_compute_dtype(out_dir, current["compute_dtype"], recorded.get("compute_dtype"))
         current = _continue_chunk(out_dir, current, recorded.get("chunk_tokens"), chunk_setting)
     threads = recorded.get("cpu_threads")
     if current["device"] != "cpu" or recorded.get("device") != "cpu" or not isinstance(threads, int):
@@ -66,6 +69,17 @@ def continue_numerics(out_dir: Path, current: dict, *, setting: int | str, resum
             "every shard with the new count."
         )
     return {**current, "cpu_threads": threads}, True
+
+
+def _refuse_other_compute_dtype(out_dir: Path, dtype: str, recorded: str | None) -> None:
+    if recorded is None or recorded == dtype:
+        return
+    raise CaptureError(
+        f"{out_dir} was begun computing in {recorded} ({BOOKKEEPING_DIR}/{NUMERICS_NAME}), and this run computes in "
+        f"{dtype} (capture.compute_dtype; auto is bf16 on CUDA, fp32 on CPU): shards computed in the two dtypes "
+        f"differ and cannot be mixed in one cache. Set capture.compute_dtype: {recorded} to continue this cache, use "
+        "a new cache_output_dir, or pass --restart to recompute every shard in the new dtype."
+    )
 
 
 def _continue_chunk(out_dir: Path, current: dict, chunk: int | None, setting: int | str) -> dict:
