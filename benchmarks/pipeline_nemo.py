@@ -33,18 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "nemo_oracle"))
+from train_eagle3 import single_process_env  # noqa: E402  (NeMo's world-of-one environment, as the oracle sets it)
 
 
 def recipe_config(args, out_dir: str) -> dict:
@@ -232,11 +228,7 @@ def main(argv: list[str]) -> int:
         parser.error("give --cache, or --remote-url with --data")
 
     started = time.perf_counter()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(name, value)
-    os.environ["NEMO_EAGLE_ENABLE_NCCL"] = "0"
+    single_process_env()
     import torch
     import nemo_automodel.recipes.llm.train_eagle3 as train_eagle3
     from nemo_automodel.components.config.loader import ConfigNode

@@ -24,10 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _free_port() -> int:
+def single_process_env() -> None:
+    """The environment NeMo's recipes read for a world of one on this host (a free rendezvous port), NCCL off."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
+    os.environ["NEMO_EAGLE_ENABLE_NCCL"] = "0"
 
 
 def recipe_config(args, out_dir: str) -> dict:
@@ -63,12 +68,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--remote-url", action="append")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ["NEMO_EAGLE_ENABLE_NCCL"] = "0"
+    single_process_env()
     import torch
     from make_eagle3_fixtures import _install_loader_shim
 
