@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ds_capture.cache.common.names import DTYPES
+from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, NUMERICS_NAME
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
 from ds_capture.capture.chunked import forward_in_chunks, resolve_chunk_tokens
@@ -140,17 +140,18 @@ def continue_recorded_numerics(numerics: dict, out_dir, *, chunk_tokens: int | N
     if numerics.get("chunk_tokens") != chunk_tokens:
         # capture.chunked_prefill: auto over a cache begun with another setting continues with that one.
         chunk_tokens = numerics.get("chunk_tokens")
-        _LOG.info("continuing %s with %s, as it was begun (.ds_capture/numerics.json): its new shards match the "
-                  "earlier ones", out_dir, f"chunks of {chunk_tokens} tokens" if chunk_tokens else "whole rows")
+        _LOG.info("continuing %s with %s, as it was begun (%s/%s): its new shards match the earlier ones", out_dir,
+                  f"chunks of {chunk_tokens} tokens" if chunk_tokens else "whole rows", BOOKKEEPING_DIR, NUMERICS_NAME)
     count = numerics["cpu_threads"]
     if count is not None:
         # A rerun computes with the thread count the cache was begun with, at whatever world size it runs.
         session_threads = torch.get_num_threads()  # capture.cpu_threads here (distributed_target applied it)
         torch.set_num_threads(count)
         if announce_threads:
-            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (.ds_capture/"
-                      "numerics.json; here capture.cpu_threads: %s gives %d): its new shards match the earlier ones "
-                      "byte for byte", out_dir, count, "s" * (count != 1), threads_setting, session_threads)
+            _LOG.info("continuing %s with %d CPU thread%s per rank, the count it was begun with (%s/%s; here "
+                      "capture.cpu_threads: %s gives %d): its new shards match the earlier ones byte for byte",
+                      out_dir, count, "s" * (count != 1), BOOKKEEPING_DIR, NUMERICS_NAME, threads_setting,
+                      session_threads)
     return chunk_tokens
 
 

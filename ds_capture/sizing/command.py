@@ -19,6 +19,7 @@ under FSDP2 on the rank's dim-0 chunks. So a world of 512 costs one meta model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -166,8 +167,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
         ranks=ranks, activation_largest=largest,
         activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset), chunk_tokens=chunk,
         chunked_prefill=cfg.capture.chunked_prefill,
-        carried_state=({"bytes_per_row": sizer.carried_state().bytes_per_row,
-                        "how": sizer.carried_state().how} if chunk else None),
+        carried_state=dataclasses.asdict(sizer.carried_state()) if chunk else None,
     )
     checkpoint = (None if target.family.is_nemo and not _partitioned_ep(layout)  # NeMo's experts resident only there
                   else mm.checkpoint_expert_storage(target_quantization(target)))
