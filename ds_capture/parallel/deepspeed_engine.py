@@ -30,6 +30,7 @@ from torch import nn
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.engram_parallel import apply_engram_row_parallel
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
+from ds_capture.parallel.shard_spec import build_shard_spec, member_of
 from ds_capture.parallel.single import build_single_model
 from ds_capture.parallel.tensor_parallel import apply_tensor_parallel
 from ds_capture.target.families import TargetInfo
@@ -104,7 +105,7 @@ def build_sharded_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: to
         from ds_capture.parallel.resident_experts import keep_experts_quantized
 
         keep_experts_quantized(model, target)  # after EP / AutoTP: the rank's experts, kept in the checkpoint format
-    stats = load_owned_parameters(model, target)
+    stats = load_owned_parameters(model, target, build_shard_spec(model, member_of(plan)))
     return model.eval().requires_grad_(False), stats
 
 

@@ -5,7 +5,7 @@ In:  a plain (NeMo-built) causal LM on ``meta``, its :class:`~ds_capture.target.
      DP ranks included; ``ds-capture plan``: no group, the layout's world size).
 Out: the same model, every such table (``embed(ids [...]) -> [..., D]``, weight ``[rows, D]``) replaced by a
      :class:`RowParallelTable` holding rows ``[rank * R, (rank + 1) * R)``, ``R = ceil(rows / size)`` (the last
-     rank's rows past the table stay zero), which publishes them (``owned_rows``) for the loader.
+     rank's rows past the table stay zero); the loader reads them from the shard spec (:mod:`.shard_spec`).
 
 Its forward is a collective (every rank of the group calls it the same number of times, with ids of any shape):
 

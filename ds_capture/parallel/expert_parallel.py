@@ -35,7 +35,6 @@ from ds_capture.errors import CaptureError
 from ds_capture.target.family import Family, get_submodule
 from ds_capture.parallel.all_to_all import all_to_all_rows, exchange_counts
 from ds_capture.parallel.expert_slicing import check_ep_divides, keep_local_experts
-from ds_capture.target.checkpoint_reads import OwnedSlice
 
 
 def _combine_index_add(expert_out: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -77,13 +76,6 @@ class ExpertParallelExperts(nn.Module):
     num_global_experts: int
     num_local_experts: int
     expert_start: int
-
-    @property
-    def expert_slices(self) -> dict[str, OwnedSlice]:
-        """Leaf -> the part of the checkpoint tensor this rank reads: its block of experts (the loader's view)."""
-        return {leaf: OwnedSlice(dim=0, start=self.expert_start, length=self.num_local_experts, experts=True)
-                for leaf, param in self.named_parameters(recurse=False)
-                if param.dim() and param.shape[0] == self.num_local_experts}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,13 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from ds_capture.errors import CaptureError
+from ds_capture.parallel.shard_spec import build_shard_spec, member_of
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.family import get_submodule
 from ds_capture.target.checkpoint_reads import OwnedSlice, fill_from_checkpoint
 from ds_capture.target.key_map import checkpoint_sources
 from ds_capture.target.loading import build_meta_model, compute_host_buffers
+from ds_capture.target.shard_spec import ShardSpec, dim0_chunk
 from ds_capture.target.tensor_io import LoadStats, record_tensor_layout, restore_tensor_layout
 
 
@@ -62,9 +64,10 @@ def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torc
             keep_grouped_experts_packed(model)
             kept = {id(q) for q in model.parameters()}  # the replaced stacks are no parameters any more
             ignored = {p for p in ignored if id(p) in kept}
+    spec = build_shard_spec(model, member_of(plan), sharding="fsdp2", family=target.family)
     mesh = _mesh(plan.world_size, device)
     apply_fsdp(model, target, mesh, ignored_params=ignored)
-    load_fsdp_shards(model, target, device=device)
+    load_fsdp_shards(model, target, spec, device=device)
     return model
 
 
@@ -143,41 +146,45 @@ def _local_rows(param: torch.Tensor) -> tuple[int, int, int]:
     return start, param.to_local().shape[0], rows
 
 
-def dim0_chunk(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """(first row, number of rows) of dim 0 that ``rank`` holds: ``torch.chunk``'s split, as FSDP2 cuts ``Shard(0)``.
-
-    ``ceil(rows / world_size)`` per rank; the last ranks short or empty. (ds-capture plan sizes ranks with it.)
-    """
-    per_rank = -(-rows // world_size)
-    start = min(rank * per_rank, rows)
-    return start, min(per_rank, rows - start)
-
-
 @torch.no_grad()
-def load_fsdp_shards(model: nn.Module, target: TargetInfo, *, device: torch.device) -> LoadStats:
+def load_fsdp_shards(model: nn.Module, target: TargetInfo, spec: ShardSpec, *, device: torch.device) -> LoadStats:
     """Materialise the sharded ``model`` on ``device`` and fill every local shard from the checkpoint.
 
     Parameters are FSDP2 DTensors: this rank reads rows ``[start, start + n)`` of each checkpoint tensor
     (experts ``[start, start + n)`` for fused expert tensors, opening only those experts' per-expert
     tensors). Buffers are not sharded: persistent ones are read whole, non-persistent ones (rotary
     ``inv_freq``) are computed by the model's own ``_init_weights``. The reads are
-    :func:`~ds_capture.target.checkpoint_reads.fill_from_checkpoint`'s, as for the DeepSpeed engine.
+    :func:`~ds_capture.target.checkpoint_reads.fill_from_checkpoint`'s, as for the DeepSpeed engine. Which rows a
+    rank reads is the layout's ``spec`` (its chunks checked against the DTensors FSDP2 made).
     """
 
     layout = record_tensor_layout(model)
     model.to_empty(device=device)  # FSDP2 picks the new local tensors up at its lazy init (first forward)
     restore_tensor_layout(model, layout)
     if target.family.is_nemo:  # NeMo's class: the release layout, placed one tensor at a time into the local chunks
-        return _load_nemo_shards(model, target, device)
+        return _load_nemo_shards(model, target, spec, device)
     compute_host_buffers(model)  # rotary inv_freq etc., on ``device``
 
     index, key_map, state = checkpoint_sources(model, target)
     # This rank's dim-0 chunk of every DTensor parameter (a fused expert tensor's rows are whole experts,
     # so only those experts' per-expert checkpoint tensors are opened); buffers and plain tensors whole.
     destinations, rows = _local_chunks({name: state[name] for name in key_map.sources})
-    owned = {name: OwnedSlice(dim=0, start=start, length=length, experts=name in key_map.converter_of)
-             for name, (start, length) in rows.items()}
+    owned = spec_cuts(spec, state, rows)
     return fill_from_checkpoint(index, key_map, destinations, owned)
+
+
+def spec_cuts(spec: ShardSpec, state: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]]
+              ) -> dict[str, OwnedSlice]:
+    """The spec's cut of every tensor in ``state``, checked against the chunks FSDP2 really made (``rows``)."""
+    owned = {}
+    for name, tensor in state.items():
+        cut = spec.cut(name, tensor.shape[0] if tensor.dim() else None)
+        if cut is not None:
+            owned[name] = cut
+    made = {name: (cut.start, cut.length) for name, cut in owned.items()}
+    if made != rows:
+        raise AssertionError(f"the shard spec's chunks differ from FSDP2's: {sorted(set(made.items()) ^ set(rows.items()))[:4]}")
+    return owned
 
 
 def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
@@ -198,22 +205,22 @@ def _local_chunks(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return local, rows
 
 
-def _load_nemo_shards(model: nn.Module, target: TargetInfo, device: torch.device) -> LoadStats:
-    """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor."""
-    from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
+def _load_nemo_shards(model: nn.Module, target: TargetInfo, spec: ShardSpec, device: torch.device) -> LoadStats:
+    """:func:`~ds_capture.target.nemo_models.fill_from_release` into this rank's dim-0 chunk of every DTensor; the
+    expert-parallel layout's experts and row-split tables read as the DeepSpeed engine reads them (``spec``)."""
+    from ds_capture.target.nemo_models import (fill_from_release, init_nonpersistent_buffers, model_dtype,
+                                               trim_padding_rows)
 
-    from ds_capture.target.nemo_models import expert_rows, table_rows
-
-    destinations, rows = _local_chunks(model.state_dict(keep_vars=True))
-    tables = table_rows(model)  # expert-parallel layout: row-split tables and the rank's experts, read as the
-    for name, (_, count) in tables.items():  # DeepSpeed engine reads them (a table's last owner: zero padding)
-        destinations[name][count:].zero_()
-        destinations[name] = destinations[name][:count]
-    rows.update({**expert_rows(model), **tables})
-    for name, module in model.named_modules():  # capture.expert_storage: checkpoint (:mod:`.packed_grouped_experts`)
-        if getattr(module, "resident_packed", False):
-            destinations[name], rows[name] = module, (module.first_expert, module.shape[0])
-            module.device = device
-    stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model))
+    state = model.state_dict(keep_vars=True)
+    destinations, chunks = _local_chunks(state)
+    rows = spec.rows({name: tensor.shape[0] for name, tensor in state.items() if tensor.dim()})
+    if {name: rows[name] for name in chunks if name in rows} != chunks:
+        raise AssertionError("the shard spec's chunks differ from FSDP2's")
+    trim_padding_rows(destinations, rows)
+    for name in spec.packed:  # capture.expert_storage: checkpoint (:mod:`.packed_grouped_experts`)
+        destinations[name] = model.get_submodule(name)
+        destinations[name].device = device
+    stats = fill_from_release(target, model.config, destinations, rows, dtype=model_dtype(model),
+                              packed=spec.packed)
     init_nonpersistent_buffers(model, target.family)
     return stats

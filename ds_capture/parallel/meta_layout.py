@@ -6,9 +6,8 @@ In:  a :class:`~ds_capture.target.families.TargetInfo` (only ``config.json`` is 
 Out: :func:`build_layout_on_meta` -> the meta model exactly as the DeepSpeed engine shapes it on one rank
      (expert parallelism by :func:`~ds_capture.parallel.expert_parallel.apply_expert_parallel`, the row-parallel
      tables by :func:`~ds_capture.parallel.engram_parallel.apply_engram_row_parallel`, then DeepSpeed
-     AutoTP's own module replacement), and :func:`tensor_partitions` -> for every parameter and buffer, how it
-     is split over the TP ranks (read from the AutoTP layers' published partition metadata, the same metadata
-     the loader slices the checkpoint by); :func:`fsdp2_local_rows` is the FSDP2 engine's dim-0 chunk rule.
+     AutoTP's own module replacement); ``plan`` reads its :func:`~ds_capture.parallel.shard_spec.build_shard_spec`,
+     the same spec the engines load by.
 
 How AutoTP's decisions are obtained without a process group: ``init_inference`` (what the engine calls) runs
 ``AutoTP.tp_parser(model)`` and then ``replace_transformer_layer`` for every client module it found; the AutoTP
@@ -33,7 +32,7 @@ from ds_capture.errors import CaptureError
 from ds_capture.parallel.engram_parallel import apply_engram_row_parallel
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.target.families import TargetInfo
-from ds_capture.target.loading import autotp_partitions, build_meta_model
+from ds_capture.target.loading import build_meta_model
 from ds_capture.target.tensor_io import record_tensor_layout, restore_tensor_layout
 
 
@@ -110,52 +109,3 @@ def build_layout_on_meta(target: TargetInfo, *, dtype: torch.dtype, tp_size: int
     elif tp_size > 1:
         model = apply_autotp_on_meta(model, tp_size=tp_size, dtype=dtype, tp_grain_size=tp_grain_size)
     return model
-
-
-@dataclass(frozen=True)
-class TensorPartition:
-    """How one tensor is split over the TP ranks: ``sizes[tp_rank]`` entries of ``dim`` (None: whole on every rank)."""
-
-    dim: int | None = None
-    sizes: tuple[int, ...] = ()
-
-    def numel(self, shape_rank0: tuple[int, ...], tp_rank: int) -> int:
-        """Elements this TP rank holds, from tp rank 0's shape."""
-        if self.dim is None:
-            return _prod(shape_rank0)
-        per_entry = _prod(shape_rank0[: self.dim] + shape_rank0[self.dim + 1:])
-        return per_entry * self.sizes[tp_rank]
-
-
-def tensor_partitions(model: nn.Module) -> dict[str, TensorPartition]:
-    """Parameter name -> its TP split, for every parameter an AutoTP layer shards (absent: whole on every rank).
-
-    Read by the loader's own reader (:func:`~ds_capture.target.loading.autotp_partitions`), so a split the loader
-    cannot slice is refused the same way.
-    """
-    import deepspeed.module_inject.layers as autotp
-
-    found: dict[str, TensorPartition] = {}
-    for module_name, module in model.named_modules():
-        # Our own plan's linears (engine/tensor_parallel.py) publish their slice: an even split of dim 0.
-        for leaf, cut in getattr(module, "owned_slices", {}).items():
-            found[f"{module_name}.{leaf}"] = TensorPartition(dim=cut.dim, sizes=(cut.length,) * module.tp_size)
-        if isinstance(module, autotp.TensorParallel_Layer):
-            prefix = f"{module_name}." if module_name else ""
-            for name, dim, sizes in autotp_partitions(module, prefix, autotp):
-                found[name] = TensorPartition(dim=dim, sizes=tuple(sizes))
-    return found
-
-
-def fsdp2_local_rows(rows: int, world_size: int, rank: int) -> int:
-    """Rows of dim 0 that ``rank`` holds of an FSDP2 ``Shard(0)`` parameter (``torch.chunk``'s rule)."""
-    from ds_capture.parallel.fsdp2_engine import dim0_chunk
-
-    return dim0_chunk(rows, world_size, rank)[1]
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

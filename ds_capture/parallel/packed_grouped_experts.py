@@ -34,9 +34,6 @@ STACKED = ("gate_and_up_projs", "down_projs")
 class PackedExpertStack(StoredExpertStack):
     """Stands in for one stacked ``GroupedExperts`` parameter: this rank's experts as stored in the release."""
 
-    resident_packed = True
-    """Marks the module for the loader (:func:`~ds_capture.target.nemo_models.fill_from_release`)."""
-
     def __init__(self, name: str, like: torch.Tensor, first_expert: int) -> None:
         super().__init__(name, like)
         self.first_expert = first_expert

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.expert_parallel import ExpertParallelExperts, moe_experts_modules
+from ds_capture.parallel.expert_parallel import moe_experts_modules
 from ds_capture.target import quant
 from ds_capture.target.families import TargetInfo
 
@@ -67,12 +67,8 @@ class StoredExpertStack(nn.Module):
 class QuantizedExpertStack(StoredExpertStack):
     """Stands in for one fused experts parameter: this rank's experts, stored as in the checkpoint."""
 
-    resident_quantized = True
-    """Marks the module for the loader (which puts raw parts into it instead of dequantized tensors)."""
-
-    def __init__(self, name: str, like: torch.Tensor, owned: Any) -> None:
+    def __init__(self, name: str, like: torch.Tensor) -> None:
         super().__init__(name, like)
-        self.owned = owned
         self.register_buffer("_anchor", torch.empty(0, device=like.device), persistent=False)  # follows to_empty
         self.templates: dict[str, quant.QuantTensor] = {}
         """Converter source pattern (gate, up, ...) -> its pieces' layout (every expert's is the same)."""
@@ -161,7 +157,6 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
 
     Call it after expert parallelism / AutoTP are applied (it keeps the EP rank's experts only).
     """
-    from ds_capture.target.checkpoint_reads import OwnedSlice
     from ds_capture.target.key_map import checkpoint_sources
 
     _, key_map, _ = checkpoint_sources(model, target)
@@ -173,11 +168,8 @@ def keep_experts_quantized(model: nn.Module, target: TargetInfo) -> list[str]:
             keys = key_map.sources.get(name, [])
             if not keys or name not in key_map.converter_of or not all(k in key_map.quantized for k in keys):
                 continue
-            owned = None
-            if isinstance(experts, ExpertParallelExperts):
-                owned = OwnedSlice(dim=0, start=experts.expert_start, length=experts.num_local_experts, experts=True)
             del experts._parameters[leaf]
-            experts.add_module(leaf, QuantizedExpertStack(name, param, owned))
+            experts.add_module(leaf, QuantizedExpertStack(name, param))
             leaves.append(leaf)
             swapped.append(name)
         if leaves:

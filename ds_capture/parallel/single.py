@@ -22,14 +22,16 @@ def build_single_model(target: TargetInfo, *, dtype: torch.dtype, attn_implement
 
     ``expert_storage="checkpoint"``: quantized routed experts stay in the checkpoint's format
     (:mod:`.resident_experts`)."""
+    from ds_capture.parallel.shard_spec import build_shard_spec
     from ds_capture.target.loading import build_meta_model, load_owned_parameters
+    from ds_capture.target.shard_spec import Member
 
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     if expert_storage == "checkpoint":
         from ds_capture.parallel.resident_experts import keep_experts_quantized
 
         keep_experts_quantized(model, target)
-    load_owned_parameters(model, target)
+    load_owned_parameters(model, target, build_shard_spec(model, Member()))
     return model.eval().requires_grad_(False)
 
 

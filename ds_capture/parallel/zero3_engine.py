@@ -114,8 +114,8 @@ def build_zero3_model(target: TargetInfo, plan: Any, *, dtype: torch.dtype, attn
     """This rank's ZeRO-3 partition of the frozen target (see the module docstring). Collective: every rank."""
     from ds_capture.parallel.dist import import_deepspeed
     from ds_capture.parallel.fsdp2_engine import keep_experts_local
+    from ds_capture.parallel.shard_spec import build_shard_spec, member_of
     from ds_capture.target.loading import build_meta_model
-    from ds_capture.target.nemo_models import expert_rows, table_rows
 
     check_zero3_degrees(target.family, world_size=plan.world_size, tp_size=plan.tp_size, ep_size=plan.ep_size)
     deepspeed = import_deepspeed()
@@ -130,8 +130,8 @@ def build_zero3_model(target: TargetInfo, plan: Any, *, dtype: torch.dtype, attn
     for param in local:
         if id(param) in kept:
             param.ds_zero_partition_process_group = alone  # whole on this rank, never gathered from others
-    rows = {**expert_rows(model), **table_rows(model)}  # on meta: ZeRO parameters have no shape once partitioned
-    _load_block_by_block(model, target, rows, deepspeed)
+    spec = build_shard_spec(model, member_of(plan), sharding="zero3", family=target.family)  # on meta, before partitioning
+    _load_block_by_block(model, target, spec, deepspeed)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ZERO3_CONFIG))
     module = engine.module
     module.__dict__["_ds_capture_zero3_engine"] = engine  # keep the engine (its hooks' owner) alive, unregistered
@@ -149,21 +149,20 @@ def _own_group(world_size: int, rank: int) -> Any:
 
 
 @torch.no_grad()
-def _load_block_by_block(model: nn.Module, target: TargetInfo, rows: dict[str, tuple[int, int]],
-                         deepspeed: Any) -> None:
+def _load_block_by_block(model: nn.Module, target: TargetInfo, spec: Any, deepspeed: Any) -> None:
     """Materialise, partition and fill ``model`` one block (decoder layer, then the rest) at a time; within a block
-    one module's own parameters at a time are ever whole here (then partitioned)."""
-    from ds_capture.parallel.packed_grouped_experts import packed_stacks
+    one module's own parameters at a time are ever whole here (then partitioned). ``spec``: the layout's
+    :class:`~ds_capture.target.shard_spec.ShardSpec` (the experts and table rows this rank holds, the packed stacks)."""
     from ds_capture.target.nemo_models import fill_from_release, init_nonpersistent_buffers, model_dtype
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend() == "nccl" \
         else torch.device("cpu")
     dtype = model_dtype(model)
-    packed = packed_stacks(model)
+    rows, packed = spec.rows(), spec.packed
     names = set(model.state_dict(keep_vars=True)) | set(packed)
     filled: set[str] = set()  # the last block is the whole model: its layers' stacks are filled already
     for prefix, block in _blocks(model, target.family):
-        fresh = _materialise_and_partition(block, prefix, device, deepspeed)
+        fresh = _materialise_and_partition(block, prefix, device, deepspeed, packed)
         destinations: dict[str, Any] = {}
         block_rows: dict[str, tuple[int, int]] = {}
         finish: list[Callable[[], None]] = []
@@ -172,14 +171,13 @@ def _load_block_by_block(model: nn.Module, target: TargetInfo, rows: dict[str, t
                 continue
             filled.add(name)
             if name in packed:
-                stack = packed[name]
-                destinations[name], block_rows[name] = stack, (stack.first_expert, stack.shape[0])
-                stack.device = device
+                destinations[name], block_rows[name] = tensor, rows[name]
+                tensor.device = device
             elif hasattr(tensor, "ds_id"):
                 _partition_destination(name, tensor, rows, destinations, block_rows, finish)
             elif name in names:  # a persistent buffer, whole on every rank
                 destinations[name] = tensor
-        fill_from_release(target, model.config, destinations, block_rows, dtype=dtype, names=names)
+        fill_from_release(target, model.config, destinations, block_rows, dtype=dtype, names=names, packed=packed)
         for step in finish:
             step()
     init_nonpersistent_buffers(model, target.family)
@@ -192,7 +190,8 @@ def _blocks(model: nn.Module, family: Any) -> list[tuple[str, nn.Module]]:
     return [*((f"{family.layers}.{key}.", layer) for key, layer in items), ("", model)]
 
 
-def _materialise_and_partition(block: nn.Module, prefix: str, device: torch.device, deepspeed: Any) -> dict[str, Any]:
+def _materialise_and_partition(block: nn.Module, prefix: str, device: torch.device, deepspeed: Any,
+                               packed: frozenset[str]) -> dict[str, Any]:
     """Module by module, children first: give the module's own tensors still on meta uninitialised storage on
     ``device`` and convert its parameters to ZeRO-3 ones (``zero.Init(module=...)``: partitioned, the whole copy
     freed). Returns full name -> owner (a ZeRO parameter, a buffer, or a packed expert stack)."""
@@ -200,7 +199,7 @@ def _materialise_and_partition(block: nn.Module, prefix: str, device: torch.devi
     replaced: dict[int, nn.Parameter] = {}  # a tied parameter stays one parameter
     for module_name, module in reversed(list(block.named_modules())):
         full = prefix + (f"{module_name}." if module_name else "")
-        if getattr(module, "resident_packed", False):
+        if full[:-1] in packed:
             fresh[full[:-1]] = module
         for leaf, buffer in list(module.named_buffers(recurse=False)):
             if buffer.is_meta:

@@ -22,6 +22,7 @@ from ds_capture.errors import CaptureError
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.carried_state import CarriedState, carried_state_bytes
 from ds_capture.target.families import TargetInfo
+from ds_capture.target.shard_spec import Member, Placement
 
 KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -50,6 +51,10 @@ class Layout:
             return "deepspeed"
         return "zero3" if self.engine == "deepspeed" and self.zero_stage == 3 else self.engine
 
+    def member(self, rank: int) -> Member:
+        """``rank``'s index in each group of this layout (TP groups consecutive, EP groups consecutive)."""
+        return Member(rank=rank, world_size=self.world_size, tp_rank=rank % self.tp_size, ep_rank=rank % self.ep_size)
+
     def describe(self) -> str:
         if self.sharding == "zero3":
             shape = f"engine deepspeed ZeRO-3, world {self.world_size}, ep {self.ep_size}"
@@ -62,7 +67,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One parameter or buffer of the sharded meta model: tp rank 0's shape and how other ranks differ."""
+    """One parameter or buffer of the sharded meta model: rank 0's shape and its placement in the layout's
+    :class:`~ds_capture.target.shard_spec.ShardSpec` (None: whole on every rank)."""
 
     name: str
     kind: str
@@ -70,13 +76,23 @@ class TensorEntry:
     shape: tuple[int, ...]
     is_expert: bool
     layer: int | None
-    tp_dim: int | None = None
-    tp_sizes: tuple[int, ...] = ()
-    fsdp_sharded: bool = False
-    zero3_partitioned: bool = False
+    placement: Placement | None = None
+
+    def local_numel(self, member: Member) -> int:
+        """Elements ``member`` holds (the same rule the loader reads its slices by)."""
+        return self.placement.local_numel(self.shape, member) if self.placement else math.prod(self.shape)
 
     def numel(self, tp_rank: int = 0) -> int:
-        return math.prod(self.tp_sizes[tp_rank] if d == self.tp_dim else s for d, s in enumerate(self.shape))
+        """Elements on TP rank ``tp_rank`` of a DeepSpeed layout; a partitioned tensor's whole size."""
+        return self.local_numel(Member(tp_rank=tp_rank))
+
+    @property
+    def fsdp_sharded(self) -> bool:
+        return self.placement is not None and self.placement.kind == "chunk"
+
+    @property
+    def zero3_partitioned(self) -> bool:
+        return self.placement is not None and self.placement.kind == "flat"
 
 
 @dataclass
@@ -132,6 +148,8 @@ class _Table:
     text_config: Any
     attn_implementation: str
     """The attention implementation the model resolved (DeepSeek-V4 has only eager)."""
+    gathers: tuple[str, ...] = ()
+    """What the layout communicates in the forward (the spec's ``gathers``)."""
 
 
 _TABLES: dict[tuple, _Table] = {}
@@ -175,45 +193,42 @@ class Sizer:
     def _build_table(self, engine: str, tp_size: int, ep_size: int, tables_world: int) -> _Table:
         from ds_capture.parallel.engram_parallel import RowParallelTable, row_parallel_tables
         from ds_capture.parallel.expert_parallel import moe_experts_modules
-        from ds_capture.parallel.meta_layout import build_layout_on_meta, tensor_partitions
+        from ds_capture.parallel.meta_layout import build_layout_on_meta
+        from ds_capture.parallel.shard_spec import build_shard_spec
 
         family = self.target.family
         model = build_layout_on_meta(self.target, dtype=TORCH_DTYPES[self.compute_dtype], tp_size=tp_size,
                                      ep_size=ep_size, tp_grain_size=self.tp_grain_size,
                                      attn_implementation=self.cfg.recipe_args.target_attn_implementation,
                                      world_size=tables_world)
-        partitions = tensor_partitions(model) if tp_size > 1 else {}
+        # The engines' own spec (rank 0's shapes, every rank's sizes): FSDP2 with expert parallelism and ZeRO-3
+        # leave the routed experts (E/ep per rank) and the row-split tables out of the partitioning.
+        spec = build_shard_spec(model, Member(), sharding=engine, family=family)
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
-        # FSDP2 with expert parallelism and ZeRO-3 (NeMo's GroupedExperts families, parallel/fsdp2_engine.py and
-        # zero3_engine.py): the routed experts (E/ep per rank) and the row-split tables are left out of the
-        # sharding; every other parameter is sharded.
-        unsharded = (expert_prefixes + tuple(f"{name}." for name, _ in row_parallel_tables(model, family))
-                     if engine in ("fsdp2", "zero3") and ep_size > 1 else ())
         tensors = []
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-            part = partitions.get(name)
-            if part is not None and 0 in part.sizes:
+            place = spec.placements.get(name)
+            if place is not None and place.kind == "split" and 0 in place.sizes:
                 raise CaptureError(
                     f"deepspeed tensor_parallel.tp_grain_size ({self.tp_grain_size}) leaves a rank an empty shard "
                     f"of {name}: lower tp_grain_size (1 always splits evenly) or the tp_size.")
             tensors.append(TensorEntry(
                 name=name, kind=self._kind(name, expert_prefixes), itemsize=tensor.element_size(),
                 shape=tuple(tensor.shape), is_expert=name.startswith(expert_prefixes), layer=self._layer(name),
-                tp_dim=part.dim if part else None, tp_sizes=part.sizes if part else (),
-                fsdp_sharded=(engine == "fsdp2" and isinstance(tensor, torch.nn.Parameter) and tensor.dim() > 0
-                              and not name.startswith(unsharded)),
-                zero3_partitioned=(engine == "zero3" and isinstance(tensor, torch.nn.Parameter)
-                                   and not name.startswith(unsharded))))
+                placement=place))
         # The unsharded model's size: every TP split summed back, every expert block times ep_size, every
         # row-parallel table whole.
         whole_rows = {f"{name}.weight": table.num_embeddings for name, table in row_parallel_tables(model, family)
                       if isinstance(table, RowParallelTable)}
-        total = sum(math.prod(sum(part.sizes) if part and d == part.dim else s for d, s in enumerate(p.shape))
-                    * (ep_size if name.startswith(expert_prefixes) else 1)
-                    // (p.shape[0] if name in whole_rows else 1) * whole_rows.get(name, 1)
-                    for name, p in model.named_parameters() for part in [partitions.get(name)])
+        total = 0
+        for name, p in model.named_parameters():
+            place = spec.placements.get(name)
+            tp_split = place is not None and place.kind == "split" and place.group == "tp"
+            numel = math.prod(sum(place.sizes) if tp_split and d == place.dim else s for d, s in enumerate(p.shape))
+            total += (numel * (ep_size if name.startswith(expert_prefixes) else 1)
+                      // (p.shape[0] if name in whole_rows else 1) * whole_rows.get(name, 1))
         return _Table(tensors=tensors, shapes=self._block_shapes(model, tensors, tp_size), total_params=total,
-                      text_config=family.text_config(model.config),
+                      text_config=family.text_config(model.config), gathers=spec.gathers,
                       attn_implementation=(family.attn_implementations[0] if family.is_nemo  # NeMo: its backend's
                                            else str(model.config._attn_implementation)))
 
@@ -299,9 +314,7 @@ class Sizer:
             tp_rank = rank % layout.tp_size
             role = rank if fsdp else tp_rank  # ZeRO-3: tp 1, every rank holds the same partition sizes
             if role not in by_role:
-                by_role[role] = (self._fsdp2_params(table, storage, layout.world_size, rank) if fsdp
-                                 else self._zero3_params(table, storage, layout.world_size) if zero3
-                                 else self._tp_params(table, storage, tp_rank))
+                by_role[role] = self._rank_params(table, storage, layout.member(rank))
             is_writer = tp_rank == 0
             device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
                                             buffer_bytes=self.cfg.capture.writer_buffer_mib << 20)
@@ -329,20 +342,21 @@ class Sizer:
         return max(per_layer.values(), default=0)
 
     @staticmethod
-    def _tp_params(table: _Table, storage: mm.ExpertStorage, tp_rank: int) -> dict[str, float]:
+    def _rank_params(table: _Table, storage: mm.ExpertStorage, member: Member) -> dict[str, float]:
+        """One rank's parameter and buffer bytes by kind: each tensor's local elements under the spec, the routed
+        experts in their storage's bytes."""
         kinds = dict.fromkeys(KINDS, 0.0)
         for entry in table.tensors:
-            kinds[entry.kind] += mm.stored_bytes(entry.numel(tp_rank), entry.itemsize, is_routed_expert=entry.is_expert,
-                                                 storage=storage)
-        return kinds
-
-    @staticmethod
-    def _fsdp2_params(table: _Table, storage: mm.ExpertStorage, world_size: int, rank: int) -> dict[str, float]:
-        kinds = dict.fromkeys(KINDS, 0.0)
-        for entry in table.tensors:
-            kinds[entry.kind] += mm.stored_bytes(fsdp2_local_numel(entry, world_size, rank), entry.itemsize,
+            kinds[entry.kind] += mm.stored_bytes(entry.local_numel(member), entry.itemsize,
                                                  is_routed_expert=entry.is_expert, storage=storage)
         return kinds
+
+    def rank_tensors(self, layout: Layout, rank: int) -> dict[str, tuple[int, int]]:
+        """Plan's per-rank tensor table: every parameter and buffer ``rank`` holds, ``name -> (elements, item
+        size)`` (routed experts as computed, whatever their storage), from the same spec the engine loads by."""
+        table = self.table(layout.sharding, layout.tp_size, layout.ep_size, layout.world_size)
+        member = layout.member(rank)
+        return {entry.name: (entry.local_numel(member), entry.itemsize) for entry in table.tensors}
 
     @staticmethod
     def _fsdp2_gather(table: _Table, storage: mm.ExpertStorage) -> float:
@@ -355,16 +369,6 @@ class Sizer:
                                                           is_routed_expert=entry.is_expert, storage=storage)
         root = per_layer.pop(None, 0.0)
         return root + 2 * max(per_layer.values(), default=0.0)
-
-    @staticmethod
-    def _zero3_params(table: _Table, storage: mm.ExpertStorage, world_size: int) -> dict[str, float]:
-        """ZeRO-3: every partitioned parameter's ``ceil(numel / world)`` elements (DeepSpeed pads each to a multiple
-        of the world), the experts and tables as held, buffers whole."""
-        kinds = dict.fromkeys(KINDS, 0.0)
-        for entry in table.tensors:
-            kinds[entry.kind] += mm.stored_bytes(zero3_local_numel(entry, world_size), entry.itemsize,
-                                                 is_routed_expert=entry.is_expert, storage=storage)
-        return kinds
 
     @staticmethod
     def _zero3_gather(table: _Table, storage: mm.ExpertStorage, world_size: int, lm_head: str) -> float:
@@ -458,20 +462,6 @@ class Sizer:
                     eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
                 out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps)
         return [c for c in out if c != layout]
-
-
-def fsdp2_local_numel(entry: TensorEntry, world_size: int, rank: int) -> int:
-    """Elements of ``entry`` on ``rank`` under FSDP2: its dim-0 chunk if it is a sharded parameter, else all."""
-    from ds_capture.parallel.meta_layout import fsdp2_local_rows
-
-    if not entry.fsdp_sharded:
-        return entry.numel()
-    return entry.numel() // entry.shape[0] * fsdp2_local_rows(entry.shape[0], world_size, rank)
-
-
-def zero3_local_numel(entry: TensorEntry, world_size: int) -> int:
-    """Elements of ``entry`` on every rank under ZeRO-3: ``ceil(numel / world)`` if it is partitioned, else all."""
-    return -(-entry.numel() // world_size) if entry.zero3_partitioned else entry.numel()
 
 
 def _divisors(n: int) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,8 @@ class _ReadPlan:
     conv1d) is read whole, converted, then cut: its pieces do not line up with the slice."""
 
 
-def _plan_reads(index: dict[str, Path], key_map: KeyMap, destinations: dict[str, torch.Tensor],
-                owned: dict[str, OwnedSlice]) -> _ReadPlan:
+def _plan_reads(index: dict[str, Path], key_map: KeyMap, owned: dict[str, OwnedSlice],
+                packed: Collection[str]) -> _ReadPlan:
     """Per file, (checkpoint key, model tensor, slice). A converted tensor (fused experts) gathers one piece per
     owned expert; the pieces may sit in several files."""
     from transformers.core_model_loading import MergeModulelist
@@ -76,7 +77,7 @@ def _plan_reads(index: dict[str, Path], key_map: KeyMap, destinations: dict[str,
         cut = owned.get(name)
         if cut is not None and cut.length == 0:
             continue  # e.g. an FSDP2 rank past the last chunk of a small dim
-        if getattr(destinations[name], "resident_quantized", False):  # raw parts, one owned expert at a time
+        if name in packed:  # raw parts, one owned expert at a time
             keys = _owned_expert_keys(keys, key_map.pattern_of, cut)
             plan.slot_of.update(_expert_slots(keys, key_map.pattern_of))
             for key in keys:
@@ -98,14 +99,15 @@ def _plan_reads(index: dict[str, Path], key_map: KeyMap, destinations: dict[str,
 
 @torch.no_grad()
 def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: dict[str, torch.Tensor],
-                         owned: dict[str, OwnedSlice]) -> LoadStats:
+                         owned: dict[str, OwnedSlice], packed: Collection[str] = ()) -> LoadStats:
     """Copy this rank's part of every mapped checkpoint tensor into ``destinations`` (name -> local tensor).
 
-    ``owned`` gives the slice of a tensor this rank holds (absent: all of it; ``length`` 0: nothing). Every
+    ``owned`` gives the slice of a tensor this rank holds (absent: all of it; ``length`` 0: nothing); ``packed``
+    names the destinations that keep the stored parts (a resident quantized stack's ``put``). Every
     read is one tensor mapped, sliced and copied; stacked experts are converted and placed one expert at a
     time; freed heap pages go back to the OS as the reads go (:func:`_release_freed_memory`).
     """
-    plan = _plan_reads(index, key_map, destinations, owned)
+    plan = _plan_reads(index, key_map, owned, packed)
     stats = LoadStats()
     read_since_trim = 0
     for path in sorted(plan.reads):
@@ -116,7 +118,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
             tensor = None
-            if getattr(destinations[name], "resident_quantized", False):
+            if name in packed:
                 num_bytes = destinations[name].put(plan.slot_of[key], key_map.pattern_of[key],
                                                    key_map.quantized[key], key_map.converter_of[name])
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ class KeyMap:
 
 
 def map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, ...] = (),
-                         layers: str | None = None, prefix: str = "") -> KeyMap:
+                         layers: str | None = None, prefix: str = "", packed: Collection[str] = ()) -> KeyMap:
     """Group checkpoint keys by the model tensor they become; keys of ``dropped`` modules are left out, and so
     are keys outside ``prefix`` when one is given (the others are mapped with it stripped).
 
@@ -57,7 +58,7 @@ def map_checkpoint_keys(model: nn.Module, keys: list[str], dropped: tuple[str, .
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    model_names = set(model.state_dict().keys()) | set(resident_stacks(model))
+    model_names = set(model.state_dict().keys()) | set(packed)
     sources: dict[str, list[str]] = defaultdict(list)
     converter_of: dict[str, Any] = {}
     pattern_of: dict[str, str] = {}
@@ -107,8 +108,11 @@ def _not_in_model(key: str, renamed: str, patterns: list[re.Pattern], layers: st
     return False
 
 
-def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, Path], KeyMap, dict]:
+def checkpoint_sources(model: nn.Module, target: TargetInfo, packed: Collection[str] = ()
+                       ) -> tuple[dict[str, Path], KeyMap, dict]:
     """Where every model tensor comes from: (checkpoint key -> file, the key map, the model's state dict).
+
+    ``packed``: the modules that stand in for a tensor kept as stored (the shard spec's ``packed``), mapped too.
 
     Missing checkpoint tensors and checkpoint tensors the model has no place for are a ``CaptureError``
     naming them. A tied lm_head takes the embedding's key. Quantized weights are listed under their logical
@@ -119,11 +123,11 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
     index, _parts = quant.logical_keys(files, headers)
     family = target.family
     key_map = map_checkpoint_keys(model, list(index), family.drop_modules + target.skipped_layer_modules,
-                                   family.layers, family.checkpoint_prefix)
+                                   family.layers, family.checkpoint_prefix, packed)
     used = {key for keys in key_map.sources.values() for key in keys}
     key_map.quantized = quant.plan_quantized(files, headers, quant.load_quant_config(target.path), used)
     sources = key_map.sources
-    state = {**model.state_dict(keep_vars=True), **resident_stacks(model)}
+    state = {**model.state_dict(keep_vars=True), **{name: model.get_submodule(name) for name in packed}}
     lm_head, embed = f"{family.lm_head}.weight", f"{family.embed_tokens}.weight"
     if target.tie_word_embeddings and lm_head in state and lm_head not in sources and embed in sources:
         sources[lm_head] = sources[embed]  # tied: the lm_head is the embedding
@@ -135,8 +139,3 @@ def checkpoint_sources(model: nn.Module, target: TargetInfo) -> tuple[dict[str, 
             "save_pretrained, or point recipe_args.target_model_name_or_path at a complete checkpoint."
         )
     return index, key_map, state
-
-
-def resident_stacks(model: nn.Module) -> dict[str, nn.Module]:
-    """Fused expert tensors held in the checkpoint's quantized format (:mod:`.resident_experts`), by name."""
-    return {name: module for name, module in model.named_modules() if getattr(module, "resident_quantized", False)}

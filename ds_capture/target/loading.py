@@ -7,11 +7,10 @@ Out: :func:`build_meta_model` -> the model on ``meta`` (parameters and buffers);
      checkpoint and every non-persistent buffer (rotary ``inv_freq``, embedding scales) computed by the model's
      own ``_init_weights`` (:func:`compute_host_buffers`), plus :class:`LoadStats` (bytes read, per parameter).
 
-What a rank owns is read off the model itself, so the loader needs no plan:
-  * an AutoTP layer (``deepspeed.module_inject.layers.TensorParallel_Layer``) publishes its partition dim
-    and sizes; this rank reads rows / columns ``[sum(sizes[:tp_index]), +sizes[tp_index])``;
-  * an expert-parallel experts module (:mod:`.expert_parallel`) holds experts ``[expert_start, +num_local)``;
-    only those experts' checkpoint tensors are opened.
+What a rank owns is the layout's :class:`~ds_capture.target.shard_spec.ShardSpec`, an argument (the parallel stage
+builds it; ``plan`` counts from the same spec): a TP-split tensor is read as this rank's rows / columns, an
+expert-parallel stack as its experts (only those experts' checkpoint tensors are opened), a tensor kept packed as
+stored.
 On-disk names are mapped to in-memory parameters with transformers' own conversion mapping (the one
 ``from_pretrained`` uses: per-expert ``experts.E.gate_proj.weight`` -> fused ``experts.gate_up_proj``).
 Quantized tensors (FP8 / FP4 / INT4 with their scales: :mod:`.quant`) are mapped under their logical key and
@@ -23,18 +22,16 @@ DTensor chunks) is :func:`~ds_capture.target.checkpoint_reads.fill_from_checkpoi
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from ds_capture.errors import CaptureError
-from ds_capture.target.checkpoint_reads import OwnedSlice, fill_from_checkpoint
+from ds_capture.target.checkpoint_reads import fill_from_checkpoint
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.key_map import checkpoint_sources
+from ds_capture.target.shard_spec import ShardSpec
 from ds_capture.target.tensor_io import LoadStats, record_tensor_layout, restore_tensor_layout
 
 
@@ -99,45 +96,6 @@ def compute_host_buffers(model: nn.Module) -> None:
 
 
 
-def autotp_partitions(module: nn.Module, prefix: str, autotp: Any) -> Iterator[tuple[str, int, list[int]]]:
-    """``(name, partition dim, partition sizes)`` of each split parameter of one AutoTP layer (``autotp``: the
-    module ``deepspeed.module_inject.layers``); a split the loader cannot slice is refused. Read by the loader and
-    by ``plan``'s meta layout alike."""
-    # The layer knows its split (sizes frozen at build); re-publish it on the current parameters, since
-    # to_empty() replaced the parameter objects that carried it.
-    module._mark_uc_metadata()
-    for leaf, param in module.named_parameters(recurse=False):
-        meta = getattr(param, autotp.DS_AUTOTP_UC_META, None)
-        if meta is None or meta["sub_param_shard_widths"]:
-            raise CaptureError(
-                f"AutoTP sharded {prefix}{leaf} with a layout the loader cannot slice "
-                f"({type(module).__name__}). Set distributed.tp_size to 1 for this target."
-            )
-        if meta["replicated"] or meta["partition_dim"] is None:
-            continue
-        yield prefix + leaf, meta["partition_dim"], meta["partition_sizes"]
-
-
-def _owned_slices(model: nn.Module) -> dict[str, OwnedSlice]:
-    """Parameter name -> the slice of the checkpoint tensor this rank holds (absent: the whole tensor)."""
-    # An AutoTP layer exists only if DeepSpeed built it: a process that never imported DeepSpeed (one
-    # process, DP-only ranks) skips its import here (~0.6 s).
-    autotp = sys.modules.get("deepspeed.module_inject.layers")
-    owned: dict[str, OwnedSlice] = {}
-    for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        if autotp is not None and isinstance(module, autotp.TensorParallel_Layer):
-            for name, dim, sizes in autotp_partitions(module, prefix, autotp):
-                owned[name] = OwnedSlice(dim=dim, start=sum(sizes[: module.tp_index]), length=sizes[module.tp_index])
-        if getattr(module, "resident_quantized", False) and module.owned is not None:
-            owned[module_name] = module.owned  # experts kept quantized (resident_experts): the EP rank's experts
-        for leaf, cut in getattr(module, "owned_slices", {}).items():  # our own TP plan's linears
-            owned[prefix + leaf] = cut
-        for leaf, cut in getattr(module, "expert_slices", {}).items():  # expert parallelism: the rank's experts
-            owned[prefix + leaf] = cut
-    return owned
-
-
 def default_device() -> torch.device:
     """This rank's compute device: its CUDA device when there is one (``dist`` set it), else the CPU."""
     if torch.cuda.is_available():
@@ -146,9 +104,13 @@ def default_device() -> torch.device:
 
 
 @torch.no_grad()
-def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.device | None = None) -> LoadStats:
+def load_owned_parameters(model: nn.Module, target: TargetInfo, spec: ShardSpec,
+                          device: torch.device | None = None) -> LoadStats:
     """Materialise ``model`` on ``device`` (default: :func:`default_device`) and fill every parameter /
     persistent buffer from this rank's slices (read on the host one tensor at a time, copied to ``device``).
+
+    ``spec``: what this rank holds of each tensor (the layout's :class:`~ds_capture.target.shard_spec.ShardSpec`;
+    ``ShardSpec()``: the whole model).
 
     A model AutoTP already materialised stays where DeepSpeed put it (the accelerator's current device).
 
@@ -158,8 +120,7 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
     if target.family.is_nemo:  # filled from the release layout, one tensor at a time (NeMo's adapters, per tensor)
         from ds_capture.target.nemo_models import load_nemo_parameters
 
-        return load_nemo_parameters(model, target, device or default_device())
-    owned = _owned_slices(model)  # before any to_empty: it reads the AutoTP layers' partition metadata
+        return load_nemo_parameters(model, target, device or default_device(), spec)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         layout, shared = record_tensor_layout(model), _shared_tensor_names(model)
         model.to_empty(device=device or default_device())  # only this rank's shards: the layout is applied
@@ -167,8 +128,9 @@ def load_owned_parameters(model: nn.Module, target: TargetInfo, device: torch.de
         _retie(model, shared)  # to_empty gave each name of a tied tensor its own storage
     compute_host_buffers(model)
 
-    index, key_map, state = checkpoint_sources(model, target)
-    return fill_from_checkpoint(index, key_map, state, owned)
+    index, key_map, state = checkpoint_sources(model, target, packed=spec.packed)
+    owned = {name: cut for name in key_map.sources if (cut := spec.cut(name)) is not None}
+    return fill_from_checkpoint(index, key_map, state, owned, packed=spec.packed)
 
 
 def _shared_tensor_names(model: nn.Module) -> list[list[str]]:

@@ -111,43 +111,29 @@ def is_grouped_experts(module: nn.Module) -> bool:
     return any(cls.__name__ == "GroupedExperts" for cls in type(module).__mro__)
 
 
-def expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Stacked-experts parameter name -> ``(first expert, count)`` this rank holds (expert parallelism); absent:
-    all of them."""
-    rows = {}
-    for name, module in model.named_modules():
-        if is_grouped_experts(module) and getattr(module, "ep_size", 1) > 1:
-            for leaf, param in module.named_parameters(recurse=False):
-                if param.dim() and param.shape[0] == module.num_local_experts:
-                    rows[f"{name}.{leaf}"] = (module.expert_start, module.num_local_experts)
-    return rows
-
-
-def table_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Row-parallel table parameter name -> ``(first row, count)`` of the checkpoint table this rank holds (the
-    tables' ``owned_rows``: :mod:`ds_capture.parallel.engram_parallel`); absent: all of them."""
-    rows = {}
-    for name, module in model.named_modules():
-        for leaf, owned in getattr(module, "owned_rows", {}).items():
-            rows[f"{name}.{leaf}"] = owned
-    return rows
+def trim_padding_rows(destinations: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]]) -> None:
+    """A row-parallel table's last owners hold padding rows past the table: zeroed, and left out of the
+    destination (``rows[name] = (first row, rows read)``)."""
+    for name, (_, count) in rows.items():
+        if name in destinations and isinstance(destinations[name], torch.Tensor) and destinations[name].shape[0] > count:
+            destinations[name][count:].zero_()
+            destinations[name] = destinations[name][:count]
 
 
 @torch.no_grad()
-def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) -> Any:
-    """Materialise ``model`` on ``device`` and fill it from the release checkpoint (see the module docstring),
-    then recompute its non-persistent buffers."""
+def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device, spec: Any) -> Any:
+    """Materialise ``model`` on ``device`` and fill this rank's part (``spec``: the layout's
+    :class:`~ds_capture.target.shard_spec.ShardSpec`) from the release checkpoint (see the module docstring), then
+    recompute its non-persistent buffers."""
     from ds_capture.target.tensor_io import record_tensor_layout, restore_tensor_layout
 
     layout = record_tensor_layout(model)
     model.to_empty(device=device)
     restore_tensor_layout(model, layout)
     state = model.state_dict(keep_vars=True)
-    tables = table_rows(model)
-    for name, (_, count) in tables.items():  # a table's last owner holds padding rows past the table: zero
-        state[name][count:].zero_()
-        state[name] = state[name][:count]
-    stats = fill_from_release(target, model.config, state, {**expert_rows(model), **tables}, dtype=model_dtype(model))
+    rows = spec.rows()
+    trim_padding_rows(state, rows)
+    stats = fill_from_release(target, model.config, state, rows, dtype=model_dtype(model), packed=spec.packed)
     init_nonpersistent_buffers(model, target.family)
     return stats
 
@@ -155,7 +141,7 @@ def load_nemo_parameters(model: nn.Module, target: Any, device: torch.device) ->
 @torch.no_grad()
 def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Tensor],
                       rows: dict[str, tuple[int, int]], *, dtype: torch.dtype,
-                      names: Collection[str] | None = None) -> Any:
+                      names: Collection[str] | None = None, packed: Collection[str] = ()) -> Any:
     """Copy every release tensor this rank needs into ``destinations`` (native name -> local tensor) of the model
     built from NeMo's ``config`` (the model's own ``config``: a reduced depth already applied).
 
@@ -167,7 +153,8 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     read (vision tower, multi-token prediction, layers past the model's depth) are never opened.
 
     ``names``: every native name of the model, when ``destinations`` holds only some of them (a loader filling one
-    block at a time): release tensors of the others are skipped here, not reported as unexpected."""
+    block at a time): release tensors of the others are skipped here, not reported as unexpected. ``packed``: the
+    destinations that keep their release pieces as stored (the shard spec's packed expert stacks)."""
     from ds_capture.target import quant
     from ds_capture.target.tensor_io import LoadStats, _checkpoint_index, _few
 
@@ -184,7 +171,7 @@ def fill_from_release(target: Any, config: Any, destinations: dict[str, torch.Te
     stats = LoadStats()
     for key, placement in reads:
         destination = destinations[placement.native]
-        if getattr(destination, "resident_packed", False):  # experts kept as released
+        if placement.native in packed:  # experts kept as released
             if key not in quantized:
                 raise CaptureError(f"{index[key]}: {key} is not quantized; capture.expert_storage: checkpoint keeps "
                                    "only quantized routed experts packed. Use capture.expert_storage: dequantized.")

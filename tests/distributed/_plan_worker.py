@@ -3,7 +3,8 @@
 Run under a launcher, one process per rank:
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/_plan_worker.py CASES_JSON OUT_DIR
 In:  a JSON list of cases ``{"target": dir, "engine": "deepspeed"|"fsdp2"|"zero3", "tp_size": t, "ep_size": e}``
-     (and optionally ``"expert_storage"``; ``zero3``: ``engine: deepspeed`` with ``zero_optimization.stage`` 3).
+     (and optionally ``"expert_storage"``; ``zero3``: ``engine: deepspeed`` with ``zero_optimization.stage`` 3),
+     each built through the engines' one entry point (:func:`~ds_capture.parallel.engines.build_model`).
 Out: ``OUT_DIR/rank{r}.json``: per case, every parameter and buffer of the loaded model on this rank as
      ``name -> [local numel, element size]`` (an FSDP2 DTensor counts its local shard, a ZeRO-3 parameter its
      partition), the elements ZeRO-3 parameters still hold whole after loading (``whole_numel``: 0 when every one
@@ -19,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ds_capture.parallel.deepspeed_engine import build_sharded_model
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
-from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
+from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import build_layout, new_groups
 from ds_capture.target.families import read_target_info
 
@@ -49,17 +49,11 @@ def main(cases_path: str, out_dir: str) -> None:
                               num_key_value_heads=target.num_key_value_heads)
             repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
             groups = new_groups(plan)
-            if case["engine"] == "zero3":
-                from ds_capture.parallel.zero3_engine import build_zero3_model
-
-                model = build_zero3_model(target, plan, dtype=torch.float32, attn_implementation=None,
-                                          expert_storage=case.get("expert_storage", "dequantized"))
-            elif case["engine"] == "fsdp2":
-                model = build_fsdp2_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
-                                          expert_storage=case.get("expert_storage", "dequantized"))
-            else:
-                model, _ = build_sharded_model(target, plan, groups, dtype=torch.float32, attn_implementation=None,
-                                               ds_config=None)
+            zero3 = case["engine"] == "zero3"
+            model = build_model("deepspeed" if zero3 else case["engine"], target, plan, groups, dtype=torch.float32,
+                                attn_implementation=None,
+                                ds_config={"zero_optimization": {"stage": 3}} if zero3 else None,
+                                expert_storage=case.get("expert_storage", "dequantized"))
             from ds_capture.parallel.packed_grouped_experts import packed_stacks
 
             packed = {name: stack.packed_bytes() for name, stack in packed_stacks(model).items()}

@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from test_families import family_target_builder  # noqa: E402
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.target.families import read_target_info  # noqa: E402
 from ds_capture.target.loading import build_meta_model, load_owned_parameters  # noqa: E402
 
@@ -87,7 +89,7 @@ def test_mtp_tensors_are_never_read(release_target, tmp_path, monkeypatch, model
     monkeypatch.setattr(safetensors, "safe_open", spy)
     info = read_target_info(target)
     model = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
-    stats = load_owned_parameters(model, info)
+    stats = load_owned_parameters(model, info, build_shard_spec(model, Member()))
     assert opened and MTP_FILE not in opened  # the MTP shard was never even opened
     expected = sum(t.numel() * t.element_size() for file in source.glob("model-*.safetensors")
                    for key, t in load_file(file).items()
@@ -95,7 +97,7 @@ def test_mtp_tensors_are_never_read(release_target, tmp_path, monkeypatch, model
     assert stats.bytes_read == expected
 
     reference = build_meta_model(read_target_info(source), dtype=torch.float32, attn_implementation=None)
-    load_owned_parameters(reference, read_target_info(source))
+    load_owned_parameters(reference, read_target_info(source), build_shard_spec(reference, Member()))
     ours, theirs = model.state_dict(), reference.state_dict()
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -114,4 +116,4 @@ def test_an_unknown_extra_tensor_still_fails_the_load(release_target, tmp_path):
     info = read_target_info(target)
     model = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
     with pytest.raises(CaptureError, match=r"unexpected: model\.layers\.2\.mlp\.extra_proj\.weight"):
-        load_owned_parameters(model, info)
+        load_owned_parameters(model, info, build_shard_spec(model, Member()))

@@ -24,6 +24,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.layout import build_layout, check_family_layout
 from ds_capture.recipe.config import load_config
@@ -199,7 +201,7 @@ def test_kimi_k25_loads_its_text_decoder_only(family_target):
     single = build_single_model(info, dtype=torch.float32, attn_implementation=None)
     assert single.model.vision_tower is None and single.model.mm_projector is None
     meta = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
-    stats = load_owned_parameters(meta, info)
+    stats = load_owned_parameters(meta, info, build_shard_spec(meta, Member()))
     expected, loaded = single.state_dict(), meta.state_dict()
     assert sorted(expected) == sorted(loaded)
     assert all(torch.equal(expected[name], loaded[name]) for name in expected)
@@ -324,7 +326,7 @@ def test_release_wrapper_loads_its_text_decoder_only(family_target, model_type):
     vision = {"qwen3_5_moe": "model.visual.", "glm5_next": "model.visual.", "llama4": "vision_model."}[model_type]
     assert any(key.startswith(vision) for key in weight_map)
     meta = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
-    stats = load_owned_parameters(meta, info)
+    stats = load_owned_parameters(meta, info, build_shard_spec(meta, Member()))
     loaded = meta.state_dict()
     assert not any(name.startswith(vision) or ".visual." in name for name in loaded)
     expected = reference_model(target, model_type).state_dict()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
 from ds_capture.parallel.single import build_single_model, load_with_from_pretrained
@@ -34,7 +36,7 @@ def test_meta_build_and_full_load_equal_from_pretrained(tiny_target, model_type,
     target = read_target_info(tiny_target(model_type, num_hidden_layers=2))
     reference = load_with_from_pretrained(target, dtype=dtype, attn_implementation=None)
     model = build_meta_model(target, dtype=dtype, attn_implementation=None)
-    stats = load_owned_parameters(model, target)
+    stats = load_owned_parameters(model, target, build_shard_spec(model, Member()))
 
     _assert_same_model(model, reference, target.vocab_size)
     assert stats.bytes_read == sum(
@@ -55,7 +57,7 @@ def test_meta_build_fills_config_computed_buffers_as_from_pretrained(release_tar
     target = read_target_info(release_target(model_type))
     model = build_meta_model(target, dtype=dtype, attn_implementation=None)
     assert all(t.is_meta for t in model.buffers())
-    load_owned_parameters(model, target)
+    load_owned_parameters(model, target, build_shard_spec(model, Member()))
     _assert_same_model(model, load_with_from_pretrained(target, dtype=dtype, attn_implementation=None),
                        target.vocab_size)
 
@@ -102,7 +104,7 @@ def test_expert_parallel_layout_reads_only_its_experts(tiny_target, model_type):
     for ep_rank in range(2):
         model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
         apply_expert_parallel(model, target.family, ep_group=None, ep_size=2, ep_rank=ep_rank)
-        stats = load_owned_parameters(model, target)
+        stats = load_owned_parameters(model, target, build_shard_spec(model, Member(ep_rank=ep_rank)))
         read_experts = sum(n for name, n in stats.bytes_by_param.items() if ".mlp.experts." in name)
         assert read_experts == expert_bytes // 2
         assert stats.bytes_read == total_bytes - expert_bytes // 2
@@ -143,4 +145,4 @@ def test_a_checkpoint_missing_a_tensor_is_named(tiny_target, tmp_path):
     target = read_target_info(broken)
     model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
     with pytest.raises(CaptureError, match="missing: " + dropped.replace(".", r"\.")):
-        load_owned_parameters(model, target)
+        load_owned_parameters(model, target, build_shard_spec(model, Member()))

@@ -27,13 +27,15 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_release as qr  # noqa: E402
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.errors import CaptureError  # noqa: E402
 from ds_capture.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
 from ds_capture.recipe.config import load_config  # noqa: E402
 from ds_capture.runner import run_capture  # noqa: E402
 from ds_capture.target.families import read_target_info  # noqa: E402
+from ds_capture.target.checkpoint_reads import OwnedSlice  # noqa: E402
 from ds_capture.target.loading import (  # noqa: E402
-    OwnedSlice,
     build_meta_model,
     checkpoint_sources,
     fill_from_checkpoint,
@@ -149,7 +151,7 @@ def test_each_expert_parallel_rank_reads_its_share_of_the_quantized_experts(pair
     for ep_rank in range(2):
         model = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
         apply_expert_parallel(model, info.family, ep_group=None, ep_size=2, ep_rank=ep_rank)
-        stats = load_owned_parameters(model, info)
+        stats = load_owned_parameters(model, info, build_shard_spec(model, Member(ep_rank=ep_rank)))
         # experts [4 * ep_rank, +4) of 8: their FP4 bytes + e8m0 scales (INT4: packed + bf16 scales + weight_shape)
         mine = sum(n for k, n in expert.items() if int(k.split(".experts.")[1].split(".")[0]) // 4 == ep_rank)
         assert stats.bytes_read == others + mine, ep_rank
@@ -209,7 +211,8 @@ def _copy(source: Path, tmp_path: Path) -> Path:
 
 def _load(target: Path):
     info = read_target_info(target)
-    return load_owned_parameters(build_meta_model(info, dtype=torch.float32, attn_implementation=None), info)
+    model = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
+    return load_owned_parameters(model, info, build_shard_spec(model, Member()))
 
 
 def _drop_key(target: Path, key: str) -> str:
@@ -366,7 +369,7 @@ def test_a_stale_quantization_config_over_bf16_tensors_just_loads(tmp_path):
     for path in (plain, stale):
         info = read_target_info(path)
         model = build_meta_model(info, dtype=torch.bfloat16, attn_implementation=None)
-        stats = load_owned_parameters(model, info)
+        stats = load_owned_parameters(model, info, build_shard_spec(model, Member()))
         models.append((model.state_dict(), stats.bytes_read))
     (ours, read), (theirs, read_plain) = models[1], models[0]
     assert read == read_plain and sorted(ours) == sorted(theirs)

@@ -14,6 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.cli import main
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.expert_parallel import apply_expert_parallel
@@ -57,7 +59,7 @@ def test_reduced_build_equals_the_truncated_checkpoint_and_reads_only_kept_layer
     assert (target.num_hidden_layers, target.checkpoint_num_hidden_layers) == (2, full.num_hidden_layers) == (2, 4)
     model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
     assert len(model.model.layers) == 2
-    stats = load_owned_parameters(model, target)
+    stats = load_owned_parameters(model, target, build_shard_spec(model, Member()))
 
     on_disk = _on_disk(path)
     kept = {k: t for k, t in on_disk.items() if _layer(k) is None or _layer(k) < 2}
@@ -80,7 +82,7 @@ def test_expert_parallel_ranks_read_their_experts_of_the_kept_layers_only(tiny_t
     for ep_rank in range(2):
         model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
         apply_expert_parallel(model, target.family, ep_group=None, ep_size=2, ep_rank=ep_rank)
-        stats = load_owned_parameters(model, target)
+        stats = load_owned_parameters(model, target, build_shard_spec(model, Member(ep_rank=ep_rank)))
         assert stats.bytes_read == kept_bytes - expert_bytes // 2
 
 

@@ -19,6 +19,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_release as qr  # noqa: E402
 
+from ds_capture.parallel.shard_spec import build_shard_spec  # noqa: E402
+from ds_capture.target.shard_spec import Member  # noqa: E402
 from ds_capture.errors import CaptureError  # noqa: E402
 from ds_capture.parallel.expert_parallel import moe_experts_modules  # noqa: E402
 from ds_capture.parallel.resident_experts import QuantizedExpertStack, check_expert_storage, keep_experts_quantized  # noqa: E402
@@ -73,10 +75,10 @@ def test_resident_experts_hold_the_stored_bytes_and_dequantize_to_the_loaded_wei
     quantized, _ = pairs(model_type, scheme)
     info = read_target_info(quantized)
     plain = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
-    plain_stats = load_owned_parameters(plain, info)
+    plain_stats = load_owned_parameters(plain, info, build_shard_spec(plain, Member()))
     model = build_meta_model(info, dtype=torch.float32, attn_implementation=None)
     swapped = keep_experts_quantized(model, info)
-    stats = load_owned_parameters(model, info)
+    stats = load_owned_parameters(model, info, build_shard_spec(model, Member()))
     assert len(swapped) == 2 * len(moe_experts_modules(plain, info.family))  # gate_up_proj and down_proj per MoE layer
     assert stats.bytes_read == plain_stats.bytes_read  # the same checkpoint bytes, kept as read
     stacks = [m for m in model.modules() if isinstance(m, QuantizedExpertStack)]
@@ -113,7 +115,7 @@ def test_every_experts_implementation_is_bit_identical(pairs, implementation):
         model.config._experts_implementation = implementation
         if storage == "checkpoint":
             assert keep_experts_quantized(model, info)
-        load_owned_parameters(model, info)
+        load_owned_parameters(model, info, build_shard_spec(model, Member()))
         input_ids = torch.randint(1, info.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             outputs.append(model(input_ids=input_ids, output_hidden_states=True).hidden_states)

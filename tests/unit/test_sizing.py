@@ -19,7 +19,8 @@ from ds_capture.parallel.fsdp2_engine import dim0_chunk
 from ds_capture.recipe.config import load_config, parse_config
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.command import plan_capture
-from ds_capture.sizing.count import Sizer, fsdp2_local_numel
+from ds_capture.sizing.count import Sizer
+from ds_capture.target.shard_spec import Member
 from ds_capture.target.families import read_target_info
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ def test_fsdp2_chunks_tile_the_model_and_gather_one_root_and_two_layers(tiny_tar
                   "fp32", tp_grain_size=1)
     table = sizer.table("fsdp2", 1, 1, 3)
     for entry in table.tensors:
-        assert sum(fsdp2_local_numel(entry, 3, rank) for rank in range(3)) == (
+        assert sum(entry.local_numel(Member(rank=rank, world_size=3)) for rank in range(3)) == (
             entry.numel() * (3 if not entry.fsdp_sharded else 1)), entry.name
     layer_bytes = {}
     for entry in table.tensors:

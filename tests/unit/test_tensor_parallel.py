@@ -15,7 +15,8 @@ from test_families import family_target  # noqa: F401 - the fixture
 from ds_capture.errors import CaptureError
 from ds_capture.parallel.tensor_parallel import ColumnParallelLinear, GatheredLinear, LocalGroups, apply_tensor_parallel
 from ds_capture.target.families import read_target_info
-from ds_capture.target.loading import OwnedSlice, build_meta_model
+from ds_capture.target.checkpoint_reads import OwnedSlice
+from ds_capture.target.loading import build_meta_model
 
 
 def _meta(target_dir):
