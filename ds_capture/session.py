@@ -38,9 +38,8 @@ from ds_capture.errors import CaptureError
 from ds_capture.parallel.cpu_threads import compute_on_cpu, resolve_cpu_threads, use_cpu_threads
 from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
-from ds_capture.parallel.layout import ParallelLayout, build_layout, check_family_layout, resolve_degrees
-from ds_capture.parallel.resident_experts import refuse_resident_experts
-from ds_capture.parallel.zero3_engine import uses_zero3
+from ds_capture.parallel.layout import ParallelLayout
+from ds_capture.parallel.resolve import resolve_layout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing.command import refuse_if_not_fitting
 from ds_capture.target.families import TargetInfo, read_target_info
@@ -68,23 +67,16 @@ def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
         _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
     layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
-    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
-                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
-    check_family_layout(target.family, tp_size, ep_size)  # the family's reason beats a head-count mismatch
-    zero3 = uses_zero3(cfg.engine, cfg.deepspeed_config, cfg.deepspeed_config_source, target.family,
-                       world_size=env.world_size, tp_size=tp_size, ep_size=ep_size)
-    refuse_resident_experts(target.family, cfg.capture.expert_storage,
-                            partitioned_ep=(cfg.engine == "fsdp2" or zero3) and ep_size > 1 and env.world_size > 1)
+    # The layout, resolved once (family, degrees, sharding, expert storage): plan below sizes this same value.
+    plan = resolve_layout(cfg, target, world_size=env.world_size, rank=env.rank)
     target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
-    plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=tp_size, ep_size=ep_size,
-                      num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
-                      num_key_value_heads=target.tp_key_value_heads)
     chunk_tokens = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length,
                                         source=cfg.source)
     # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only);
     # with a budget, chunked_prefill: auto forwards in the chunk that made plan's verdict fit.
     planned = refuse_if_not_fitting(cfg, world_size=env.world_size,
-                                    compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
+                                    compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
+                                    resolved=(target, plan, chunk_tokens))
     if cfg.capture.chunked_prefill == "auto":
         chunk_tokens = planned
     return SessionPlan(target=target, layer_ids=layer_ids, plan=plan, chunk_tokens=chunk_tokens)

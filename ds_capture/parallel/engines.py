@@ -27,38 +27,34 @@ def build_model(
     ds_config: Mapping[str, Any] | None,
     expert_storage: str = "dequantized",
 ) -> torch.nn.Module:
-    """Build the frozen target for this rank with ``engine`` (``deepspeed`` or ``fsdp2``).
+    """Build the frozen target for this rank in ``plan``'s layout (resolved and checked by
+    :func:`~ds_capture.parallel.resolve.resolve_layout`: the engine dispatches on ``plan.sharding``).
 
     ``expert_storage``: ``dequantized`` (routed experts dequantized on load) or ``checkpoint`` (kept in the
     checkpoint's quantized format, dequantized per expert in the forward: :mod:`.resident_experts`).
     """
-    from ds_capture.parallel.resident_experts import check_expert_storage
-    from ds_capture.parallel.zero3_engine import uses_zero3
-
-    check_expert_storage(expert_storage, engine, plan.world_size, ep_size=plan.ep_size)
     if plan.world_size == 1:
         from ds_capture.parallel.single import build_single_model
 
         return build_single_model(target, dtype=dtype, attn_implementation=attn_implementation,
                                   expert_storage=expert_storage)
-    if uses_zero3(engine, ds_config, "deepspeed_config", target.family, world_size=plan.world_size,
-                  tp_size=plan.tp_size, ep_size=plan.ep_size):
+    if plan.sharding == "zero3":
         from ds_capture.parallel.zero3_engine import build_zero3_model
 
         return build_zero3_model(target, plan, dtype=dtype, attn_implementation=attn_implementation,
                                  expert_storage=expert_storage)
-    if engine == "deepspeed":
+    if plan.sharding == "deepspeed":
         from ds_capture.parallel.deepspeed_engine import build_deepspeed_model
 
         return build_deepspeed_model(
             target, plan, groups, dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config,
             expert_storage=expert_storage,
         )
-    if engine == "fsdp2":
+    if plan.sharding == "fsdp2":
         try:
             from ds_capture.parallel.fsdp2_engine import build_fsdp2_model
         except ImportError as error:
             raise CaptureError("engine: fsdp2 is not available in this version; use engine: deepspeed.") from error
         return build_fsdp2_model(target, plan, groups, dtype=dtype, attn_implementation=attn_implementation,
                                  expert_storage=expert_storage)
-    raise CaptureError(f"engine {engine!r} is unknown; use deepspeed or fsdp2.")
+    raise AssertionError(f"unresolved sharding {plan.sharding!r} (engine {engine!r})")

@@ -51,8 +51,6 @@ def build_fsdp2_model(target: TargetInfo, plan: Any, groups: Any, *, dtype: torc
     ``expert_storage == "checkpoint"`` (that layout only): the rank's experts stay packed as released
     (:mod:`.packed_grouped_experts`), rebuilt one expert at a time in the forward.
     """
-    check_fsdp2_degrees(target.family, "fsdp2", world_size=plan.world_size, tp_size=plan.tp_size,
-                        ep_size=plan.ep_size)
     device = _device()
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation)
     ignored: set[nn.Parameter] = set()

@@ -38,6 +38,11 @@ class ParallelLayout:
     dp_rank: int
     tp_rank: int
     ep_rank: int
+    sharding: str = "deepspeed"
+    """What partitions the model besides TP and EP: ``deepspeed`` (nothing: AutoTP x EP, or the whole model), ``fsdp2``
+    (FSDP2's dim-0 chunks) or ``zero3`` (ZeRO-3's flat partitions); resolved once (:mod:`.resolve`)."""
+    expert_storage: str = "dequantized"
+    """``capture.expert_storage``: ``dequantized`` or ``checkpoint`` (kept as released: resident or packed)."""
 
     @staticmethod
     def single() -> "ParallelLayout":

@@ -78,22 +78,6 @@ def zero_stage(ds_config: Mapping[str, Any] | None, ds_source: str) -> int:
     return stage
 
 
-def uses_zero3(engine: str, ds_config: Mapping[str, Any] | None, ds_source: str, family: Any, *, world_size: int,
-               tp_size: int, ep_size: int) -> bool:
-    """Whether this run is ZeRO-3's layout (``engine: deepspeed`` and ``zero_optimization.stage: 3`` on more than one
-    rank; one process is the plain model); a stage or layout ZeRO-3 cannot run is refused here, before anything
-    loads (``run``, ``serve`` and ``plan`` all ask)."""
-    if zero_stage(ds_config, ds_source) != 3:
-        return False
-    if engine != "deepspeed":
-        raise CaptureError(
-            f"{ds_source}: zero_optimization.stage 3 is DeepSpeed's parameter partitioning, but engine is {engine!r} "
-            "(torch's fully_shard). Use engine: deepspeed for ZeRO-3, or remove zero_optimization.")
-    if world_size > 1:
-        check_zero3_degrees(family, world_size=world_size, tp_size=tp_size, ep_size=ep_size)
-    return world_size > 1
-
-
 def check_zero3_degrees(family: Any, *, world_size: int, tp_size: int, ep_size: int) -> None:
     """ZeRO-3's layout: a NeMo-built family, no tensor parallelism, the routed experts over every rank."""
     if family.is_nemo and tp_size == 1 and ep_size == world_size:
@@ -117,7 +101,6 @@ def build_zero3_model(target: TargetInfo, plan: Any, *, dtype: torch.dtype, attn
     from ds_capture.parallel.shard_spec import build_shard_spec, member_of
     from ds_capture.target.loading import build_meta_model
 
-    check_zero3_degrees(target.family, world_size=plan.world_size, tp_size=plan.tp_size, ep_size=plan.ep_size)
     deepspeed = import_deepspeed()
     model = build_meta_model(target, dtype=dtype, attn_implementation=attn_implementation).requires_grad_(False)
     model, local = keep_experts_local(model, target, world_size=plan.world_size, rank=plan.rank)

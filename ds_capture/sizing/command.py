@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,8 @@ import torch
 from ds_capture.capture.chunked import resolve_chunk_tokens
 from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import build_layout, check_family_layout, resolve_degrees
+from ds_capture.parallel.layout import ParallelLayout
+from ds_capture.parallel.resolve import layout_of, resolve_layout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.cache_size import cache_estimate
@@ -128,34 +128,36 @@ class PlanReport:
 # ----------------------------------------------------------------------------------------------------------------
 
 def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gib: float | None = None,
-                 compute_dtype: str | None = None, suggest: bool = True, count_dataset: bool = True) -> PlanReport:
+                 compute_dtype: str | None = None, suggest: bool = True, count_dataset: bool = True,
+                 resolved: tuple[TargetInfo, ParallelLayout, int | None] | None = None) -> PlanReport:
     """Size ``cfg`` on ``world_size`` ranks (default: the smallest world its degrees allow) against the budget.
 
     ``compute_dtype`` None follows ``capture.compute_dtype``, sizing a GPU run (``auto`` = bf16).
     ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
+    ``resolved``: the session's target, layout and chunk (:func:`~ds_capture.session.plan_session`), sized as they
+    are; None: resolved here by the same functions (``ds-capture plan``).
     """
     from ds_capture.parallel.deepspeed_engine import tp_grain_size
-    from ds_capture.parallel.zero3_engine import uses_zero3, zero_stage
 
     args = cfg.recipe_args
-    target = _read_target(args.target_path, args.trust_remote_code)
+    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
+    if resolved is None:
+        target = _read_target(args.target_path, args.trust_remote_code)
+        parallel = resolve_layout(cfg, target, world_size=world_size)
+        chunk = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length, source=cfg.source)
+    else:
+        target, parallel, chunk = resolved
+    if not 1 <= parallel.world_size <= MAX_WORLD_SIZE:
+        raise CaptureError(f"--world-size {parallel.world_size} must be between 1 and {MAX_WORLD_SIZE}.")
     layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
                                   source=cfg.source, family=target.family)
-    tp_size, ep_size = resolve_degrees(cfg.distributed.tp_size, cfg.distributed.ep_size, cfg.deepspeed_config,
-                                       yaml_source=cfg.source, ds_source=cfg.deepspeed_config_source)
-    world_size = world_size or _smallest_world(tp_size, ep_size)
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
     budget, budget_source = resolve_budget(cfg, gpu_memory_gib)
     dtype_name = compute_dtype or ("bf16" if cfg.capture.compute_dtype == "auto" else cfg.capture.compute_dtype)
-    uses_zero3(cfg.engine, cfg.deepspeed_config, cfg.deepspeed_config_source, target.family, world_size=world_size,
-               tp_size=tp_size, ep_size=ep_size)  # refuses a stage or layout ZeRO-3 cannot run, as run does
-    layout = Layout(cfg.engine, world_size, tp_size, ep_size, args.micro_batch_size,
-                    zero_stage=zero_stage(cfg.deepspeed_config, cfg.deepspeed_config_source))
-    _validate_layout(target, layout)
+    layout = Layout.of(parallel, cfg.engine, args.micro_batch_size)
+    tp_size, ep_size, world_size = layout.tp_size, layout.ep_size, layout.world_size
     storage = _configured_storage(cfg, target, partitioned_ep=_partitioned_ep(layout))
     sizer = Sizer(cfg, target, layer_ids, dtype_name, tp_grain_size(cfg.deepspeed_config))
-    chunk = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length, source=cfg.source)
     ranks, largest, stack = sizer.ranks(layout, storage, chunk)
     if cfg.capture.chunked_prefill == "auto" and max(r.peak_bytes for r in ranks) > budget:
         chunk, (ranks, largest, stack) = _largest_fitting_chunk(sizer, layout, storage, budget, target, args.seq_length,
@@ -216,7 +218,8 @@ def resolve_budget(cfg: RunConfig, gpu_memory_gib: float | None) -> tuple[float,
     return mm.DEFAULT_GPU_MEMORY_GIB * mm.GIB, "no CUDA device here: an 80 GB GPU"
 
 
-def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype) -> int | None:
+def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype,
+                          resolved: tuple[TargetInfo, ParallelLayout, int | None] | None = None) -> int | None:
     """``run``'s check before any weight loads: plan's verdict for this world, a ``CaptureError`` if it does not fit;
     else plan's chunk (``capture.chunked_prefill``; for ``auto``, the chunk that made it fit; None: whole rows).
 
@@ -228,7 +231,8 @@ def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: tor
     if cfg.capture.gpu_memory_gib == 0:
         return None
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype]
-    report = plan_capture(cfg, world_size=world_size, compute_dtype=name, suggest=True, count_dataset=False)
+    report = plan_capture(cfg, world_size=world_size, compute_dtype=name, suggest=True, count_dataset=False,
+                          resolved=resolved)
     if not report.fits:
         raise CaptureError(
             f"{cfg.source}: {report.reason()}. Nothing was loaded. Choose a layout that fits (ds-capture plan -c "
@@ -260,34 +264,17 @@ def _partitioned_ep(layout: Layout) -> bool:
 
 def _configured_storage(cfg: RunConfig, target: TargetInfo, *, partitioned_ep: bool = False) -> mm.ExpertStorage:
     # capture.expert_storage: checkpoint keeps the routed experts resident in the checkpoint's format.
-    if cfg.capture.expert_storage == "checkpoint":
-        from ds_capture.parallel.resident_experts import refuse_resident_experts
-
-        refuse_resident_experts(target.family, "checkpoint", partitioned_ep=partitioned_ep)
+    if cfg.capture.expert_storage == "checkpoint":  # refused where it cannot run: resolve_layout
         storage = mm.checkpoint_expert_storage(target_quantization(target))
         if storage is not None:
             return storage
     return mm.COMPUTE_STORAGE
 
 
-def _smallest_world(tp_size: int, ep_size: int) -> int:
-    return math.lcm(tp_size, ep_size)
-
-
 def _validate_layout(target: TargetInfo, layout: Layout) -> None:
-    """The run's own refusals (degrees vs world and model, the family's supported layouts), before any sizing."""
-    family = target.family
-    check_family_layout(family, layout.tp_size, layout.ep_size)
-    from ds_capture.parallel.fsdp2_engine import check_fsdp2_degrees
-    from ds_capture.parallel.zero3_engine import check_zero3_degrees
-
-    check_fsdp2_degrees(family, layout.engine, world_size=layout.world_size, tp_size=layout.tp_size,
-                        ep_size=layout.ep_size)
-    if layout.sharding == "zero3":
-        check_zero3_degrees(family, world_size=layout.world_size, tp_size=layout.tp_size, ep_size=layout.ep_size)
-    build_layout(world_size=layout.world_size, rank=0, tp_size=layout.tp_size, ep_size=layout.ep_size,
-               num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
-               num_key_value_heads=target.tp_key_value_heads)
+    """A layout plan proposes passes the run's own refusals (:func:`~ds_capture.parallel.resolve.layout_of`)."""
+    layout_of(target, engine=layout.engine, zero_stage=layout.zero_stage, world_size=layout.world_size, rank=0,
+              tp_size=layout.tp_size, ep_size=layout.ep_size, expert_storage=None)
 
 
 def _gib(value: float) -> str:

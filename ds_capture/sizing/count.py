@@ -51,6 +51,12 @@ class Layout:
             return "deepspeed"
         return "zero3" if self.engine == "deepspeed" and self.zero_stage == 3 else self.engine
 
+    @staticmethod
+    def of(parallel: Any, engine: str, micro_batch_size: int) -> "Layout":
+        """The resolved :class:`~ds_capture.parallel.layout.ParallelLayout` as plan sizes it."""
+        return Layout(engine, parallel.world_size, parallel.tp_size, parallel.ep_size, micro_batch_size,
+                      zero_stage=3 if parallel.sharding == "zero3" else 0)
+
     def member(self, rank: int) -> Member:
         """``rank``'s index in each group of this layout (TP groups consecutive, EP groups consecutive)."""
         return Member(rank=rank, world_size=self.world_size, tp_rank=rank % self.tp_size, ep_rank=rank % self.ep_size)

@@ -22,7 +22,8 @@ import torch
 
 from ds_capture.parallel.dist import discover_env, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
-from ds_capture.parallel.layout import build_layout, new_groups
+from ds_capture.parallel.layout import new_groups
+from ds_capture.parallel.resolve import layout_of
 from ds_capture.target.families import read_target_info
 
 
@@ -43,17 +44,15 @@ def main(cases_path: str, out_dir: str) -> None:
     with distributed_session(env, backend="gloo", timeout_minutes=5):
         for case in cases:
             target = read_target_info(Path(case["target"]))
-            plan = build_layout(world_size=env.world_size, rank=env.rank, tp_size=case["tp_size"],
-                              ep_size=case["ep_size"], num_experts=target.num_experts,
-                              num_attention_heads=target.num_attention_heads,
-                              num_key_value_heads=target.num_key_value_heads)
+            zero3 = case["engine"] == "zero3"
+            engine, storage = "deepspeed" if zero3 else case["engine"], case.get("expert_storage", "dequantized")
+            plan = layout_of(target, engine=engine, zero_stage=3 if zero3 else 0, world_size=env.world_size,
+                             rank=env.rank, tp_size=case["tp_size"], ep_size=case["ep_size"], expert_storage=storage)
             repair_cpu_allreduce(env, tp_group_is_world=plan.tp_size == plan.world_size)
             groups = new_groups(plan)
-            zero3 = case["engine"] == "zero3"
-            model = build_model("deepspeed" if zero3 else case["engine"], target, plan, groups, dtype=torch.float32,
-                                attn_implementation=None,
+            model = build_model(engine, target, plan, groups, dtype=torch.float32, attn_implementation=None,
                                 ds_config={"zero_optimization": {"stage": 3}} if zero3 else None,
-                                expert_storage=case.get("expert_storage", "dequantized"))
+                                expert_storage=storage)
             from ds_capture.parallel.packed_grouped_experts import packed_stacks
 
             packed = {name: stack.packed_bytes() for name, stack in packed_stacks(model).items()}

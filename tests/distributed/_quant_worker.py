@@ -40,9 +40,12 @@ def build(case: dict, path: str, env, storage: str):
         from ds_capture.parallel import fsdp2_engine as fsdp2
         from ds_capture.target.loading import build_meta_model
 
+        from ds_capture.parallel.shard_spec import build_shard_spec, member_of
+
         model = build_meta_model(target, dtype=torch.float32, attn_implementation=None)
+        spec = build_shard_spec(model, member_of(plan), sharding="fsdp2", family=target.family)
         fsdp2.apply_fsdp(model, target, fsdp2._mesh(plan.world_size, torch.device("cpu")))
-        stats = fsdp2.load_fsdp_shards(model, target, device=torch.device("cpu"))
+        stats = fsdp2.load_fsdp_shards(model, target, spec, device=torch.device("cpu"))
     else:
         from ds_capture.parallel.deepspeed_engine import build_sharded_model
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.zero3_engine import uses_zero3, zero_stage
+from ds_capture.parallel.resolve import sharding_of
+from ds_capture.parallel.zero3_engine import zero_stage
 from ds_capture.target.families import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,26 +49,26 @@ def test_other_zero_settings_are_refused_naming_the_key(section, message):
 
 def test_which_layouts_zero3_runs():
     k3, qwen = FAMILIES["kimi_k3"], FAMILIES["qwen3_moe"]
-    ds = {"zero_optimization": {"stage": 3}}
-    assert uses_zero3("deepspeed", ds, "ds.json", k3, world_size=4, tp_size=1, ep_size=4)
-    assert not uses_zero3("deepspeed", ds, "ds.json", k3, world_size=1, tp_size=1, ep_size=1)  # one process: plain
-    assert not uses_zero3("deepspeed", None, "ds.json", k3, world_size=4, tp_size=1, ep_size=4)
+    ds = 3
+    assert sharding_of("deepspeed", ds, k3, world_size=4, tp_size=1, ep_size=4, ds_source="ds.json") == "zero3"
+    assert sharding_of("deepspeed", ds, k3, world_size=1, tp_size=1, ep_size=1) == "deepspeed"  # one process: plain
+    assert sharding_of("deepspeed", 0, k3, world_size=4, tp_size=1, ep_size=4) == "deepspeed"
     refusals = [
-        (("fsdp2", ds, "ds.json", k3), dict(world_size=4, tp_size=1, ep_size=4),
+        (("fsdp2", ds, k3), dict(world_size=4, tp_size=1, ep_size=4),
          "ds.json: zero_optimization.stage 3 is DeepSpeed's parameter partitioning, but engine is 'fsdp2' (torch's "
          "fully_shard). Use engine: deepspeed for ZeRO-3, or remove zero_optimization."),
-        (("deepspeed", ds, "ds.json", qwen), dict(world_size=2, tp_size=1, ep_size=2),
+        (("deepspeed", ds, qwen), dict(world_size=2, tp_size=1, ep_size=2),
          "deepspeed_config zero_optimization.stage 3 partitions NeMo-built families (deepseek_v41, kimi_k3); "
          "model_type 'qwen3_moe' is sharded by AutoTP and expert parallelism instead. Remove zero_optimization, or "
          "use engine: fsdp2 to shard every parameter."),
-        (("deepspeed", ds, "ds.json", k3), dict(world_size=4, tp_size=1, ep_size=2),
+        (("deepspeed", ds, k3), dict(world_size=4, tp_size=1, ep_size=2),
          "deepspeed_config zero_optimization.stage 3 partitions every parameter over all 4 ranks and keeps the routed "
          "experts expert-parallel over all of them: it needs distributed.tp_size 1 and distributed.ep_size 4 (got "
          "tp_size 1, ep_size 2)."),
     ]
     for args, degrees, message in refusals:
         with pytest.raises(CaptureError) as error:
-            uses_zero3(*args, **degrees)
+            sharding_of(*args, **degrees, ds_source="ds.json")
         assert str(error.value) == message
 
 
