@@ -27,7 +27,6 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ds_capture.errors import CaptureError
 from ds_capture.target.checkpoint_reads import fill_from_checkpoint
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.key_map import checkpoint_sources
