@@ -3,7 +3,7 @@
 In: argv. Out: an exit code. A user mistake (``CaptureError``) prints one paragraph and exits 2
 for ``run`` (1 for an invalid cache in ``verify``), never a traceback; ``--debug`` shows it. A ``run``
 stopped by SIGTERM / SIGINT (preemption, Ctrl-C) exits 75 (``errors.RERUN_EXIT_CODE``): rerun to continue; so
-does a ``regenerate`` whose server stopped answering.
+does a ``regenerate`` whose server stopped answering, and any command whose peer rank died (``RerunError``).
 
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture serve -c configs/demo_eagle3.yaml --port 8000 [--host 0.0.0.0] [--exit-on-disconnect]
@@ -25,7 +25,7 @@ from typing import Any
 
 from ds_capture import __version__
 from ds_capture.capture.interrupt import Interrupted
-from ds_capture.errors import RERUN_EXIT_CODE, CaptureError
+from ds_capture.errors import RERUN_EXIT_CODE, CaptureError, RerunError
 from ds_capture.log_setup import configure_logging
 from ds_capture.parallel.dist import AgreedError
 from ds_capture.parallel.torchrun_exit import record_exit_code
@@ -91,6 +91,9 @@ def _add_serve(sub: Any) -> None:
                        help="requests queued plus held past which one is refused with Retry-After (default 256)")
     serve.add_argument("--vocab-idle-s", type=float, default=60.0,
                        help="seconds after its last request a draft vocabulary stops being live (default 60)")
+    serve.add_argument("--vocab-dir", type=Path, default=None,
+                       help="keep the trainers' draft vocabularies here and restore them on a restart, so a trainer "
+                            "rides through a requeue (launch/slurm.sbatch sets it; default: memory only)")
     serve.add_argument("--max-body-mib", type=float, default=256.0, help="largest request body (default 256 MiB)")
     serve.add_argument("--log-interval", type=float, default=30.0,
                        help="seconds between progress lines (default 30; 0: none)")
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(rank0=_is_rank0(), verbose=args.verbose)
     try:
         return _COMMANDS[args.command](args)
+    except RerunError as error:
+        if args.debug:
+            raise
+        print(f"ds-capture {args.command}: {error}", file=sys.stderr)
+        return RERUN_EXIT_CODE
     except CaptureError as error:
         if args.debug:
             raise
@@ -236,7 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            batch_requests=args.batch_requests and not args.no_batching,
                            max_body_mib=args.max_body_mib, log_interval_s=args.log_interval,
                            max_queued_rows=args.max_queued_rows, max_held=args.max_held,
-                           vocab_idle_s=args.vocab_idle_s)
+                           vocab_idle_s=args.vocab_idle_s, vocab_dir=args.vocab_dir)
     summary = serve_target(load_config(args.config, args.overrides), options)
     if _is_rank0():
         print(summary.format(), flush=True)

@@ -21,6 +21,12 @@ class CaptureError(Exception):
 RERUN_EXIT_CODE = 75
 
 
+class RerunError(CaptureError):
+    """A stop that left everything consistent on disk and that rerunning the same command continues (a peer rank
+    died): printed as a message, exit :data:`RERUN_EXIT_CODE`, so a scheduler's requeue (launch/slurm.sbatch)
+    takes it as it takes a preemption."""
+
+
 def parse_json(text: str | bytes, where: str, fix: str, *, what: str = "") -> Any:
     """``json.loads(text)``; text that does not parse is a CaptureError ``{where}: {what}not valid JSON ({reason}).
     {fix}``, ``reason`` being the parser's message and its place (the column alone where the text is one line)."""

@@ -34,7 +34,7 @@ from ds_capture.capture.chunked import forward_in_chunks, resolve_chunk_tokens
 from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
-from ds_capture.errors import CaptureError
+from ds_capture.errors import CaptureError, RerunError
 from ds_capture.parallel.cpu_threads import compute_on_cpu, resolve_cpu_threads, use_cpu_threads
 from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
@@ -212,7 +212,7 @@ def peer_failures() -> Iterator[None]:
         yield
     except RuntimeError as error:
         if any(text in str(error) for text in _PEER_DIED):
-            raise CaptureError(
+            raise RerunError(
                 f"a peer rank died during a collective ({str(error).splitlines()[0][:200]}). Its own log has the "
                 "cause; rerun the same command to continue: finished shards are kept, the rest is recomputed."
             ) from error

@@ -5,9 +5,11 @@ NeMo 0.7.0's answers (``{"status": "ok"}`` JSON, wire blobs) and, for a request 
 ``{"error": "..."}`` naming the problem; the next request is served as if nothing happened. ``generate`` hands a :class:`~ds_capture.serve.
 scheduler.Job` to the lockstep loop and waits for its future; everything else is answered here.
 
-Limits: a body larger than ``max_body_bytes`` is refused (413) before it is read whole; while the service is not
-ready a request is refused (503) before its body is read; a client that hangs up mid-body costs one log line, and
-one that hangs up mid-reply only its own answer. ``generate`` is admitted through the bounded queue
+Limits: a body larger than ``max_body_bytes`` is refused (413) before it is read whole; while the target loads a
+request waits, its body unread, until every rank loaded (NeMo's client dies of an error status; its timeout is
+retried); once the service stops or fails, a request not answered is dropped without a status (the connection is
+reset), which NeMo's client retries against the restarted service. A client that hangs up mid-body costs one log
+line, and one that hangs up mid-reply only its own answer. ``generate`` is admitted through the bounded queue
 (:class:`~ds_capture.serve.scheduler.Scheduler`): a full queue holds the connection (back-pressure), and only past
 the hard limit is a request refused (503 with ``Retry-After``).
 
@@ -15,18 +17,23 @@ Draft vocabularies (:class:`VocabMappings`): NeMo 0.7.0's client sends no traine
 per URL; headers ``Content-Type`` and requests' defaults), and the TCP source port changes with every new
 connection. So a vocabulary is bound to the connection that set it, and a new connection (a keep-alive close, a
 retry, a restarted trainer) gets its host's one live vocabulary; with two different live ones on the host it is
-refused (409, naming the fix), never given the other trainer's.
+refused (409, naming the fix), never given the other trainer's. With a ``store`` directory each vocabulary is also
+kept on disk (the ``set_vocab_mapping`` body) and restored when a restarted service becomes ready, live for
+``idle_s``: a trainer riding through a restart (``launch/slurm.sbatch``'s requeue) keeps its vocabulary.
 """
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
+from ds_capture.durable import write_atomic
 from ds_capture.errors import CaptureError
 from ds_capture.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ds_capture.serve.protocol import BadRequest, parse_generate, parse_vocab_mapping
@@ -38,14 +45,22 @@ OK = b'{"status": "ok"}'
 RETRY_AFTER_S = 5
 CONNECTION_KEY = "ds_capture.connection"
 """The ASGI scope key carrying the id of the TCP connection a request came on (:class:`HttpServer`'s protocol)."""
+ABORT_KEY = "ds_capture.abort"
+"""The ASGI scope key carrying a callable that resets the request's TCP connection (no answer is sent)."""
+VOCAB_SUFFIX = ".vocab"
 _LOG = logging.getLogger("ds_capture")
 
 
 class _Entry:
-    __slots__ = ("mapping", "used", "owners")
+    __slots__ = ("mapping", "used", "owners", "file")
 
-    def __init__(self, mapping: VocabMapping, used: float) -> None:
-        self.mapping, self.used, self.owners = mapping, used, set()
+    def __init__(self, mapping: VocabMapping, used: float, file: Path | None = None) -> None:
+        self.mapping, self.used, self.owners, self.file = mapping, used, set(), file
+
+    def forget_file(self) -> None:
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+            self.file = None
 
 
 class VocabMappings:
@@ -60,16 +75,22 @@ class VocabMappings:
     forgotten. ``disconnect`` unbinds the connection (its mapping is forgotten when nothing else holds it).
     """
 
-    def __init__(self, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 store: Path | None = None) -> None:
         self.idle_s = idle_s
         self._clock = clock
+        self.store = store
         self._hosts: dict[str, list[_Entry]] = {}
         self._bound: dict[object, _Entry] = {}  # connection -> its entry
         self._lock = threading.Lock()
 
     def _live(self, host: str, now: float) -> list[_Entry]:
         """The host's live entries; the others are forgotten here."""
-        live = [entry for entry in self._hosts.get(host, []) if entry.owners or now - entry.used < self.idle_s]
+        entries = self._hosts.get(host, [])
+        live = [entry for entry in entries if entry.owners or now - entry.used < self.idle_s]
+        for entry in entries:
+            if entry not in live:
+                entry.forget_file()
         if live:
             self._hosts[host] = live
         else:
@@ -84,7 +105,8 @@ class VocabMappings:
             entry.owners.add(connection)
             self._bound[connection] = entry
 
-    def set(self, host: str, connection: object, mapping: VocabMapping) -> None:
+    def set(self, host: str, connection: object, mapping: VocabMapping, raw: bytes | None = None) -> None:
+        """Bind ``connection`` to ``mapping`` (``raw``: its request body, kept in ``store`` when there is one)."""
         with self._lock:
             now = self._clock()
             old = self._bound.pop(connection, None)
@@ -95,7 +117,7 @@ class VocabMappings:
             entries = self._live(host, now)
             entry = next((entry for entry in entries if entry.mapping.same_as(mapping)), None)
             if entry is None:
-                entry = _Entry(mapping, now)
+                entry = _Entry(mapping, now, self._keep(host, raw))
                 self._hosts.setdefault(host, []).append(entry)
             entry.used = now
             self._bind(connection, entry)
@@ -141,6 +163,39 @@ class VocabMappings:
                 entry.owners.discard(connection)
                 if not entry.owners:
                     entry.used = -float("inf")
+                    entry.forget_file()
+
+    def _keep(self, host: str, raw: bytes | None) -> Path | None:
+        """``raw`` written to ``store`` as ``<host>-<digest>.vocab`` (None without a store)."""
+        if self.store is None or raw is None:
+            return None
+        self.store.mkdir(parents=True, exist_ok=True)
+        path = self.store / f"{host.replace(':', '_')}-{hashlib.sha256(raw).hexdigest()[:16]}{VOCAB_SUFFIX}"
+        write_atomic(path, lambda tmp: tmp.write_bytes(raw))
+        return path
+
+    def restore(self, parse: Callable[[bytes], VocabMapping]) -> int:
+        """The vocabularies kept in ``store`` by a previous run of this replica, each live for ``idle_s`` from now
+        (a file that no longer parses is set aside, with one log line); returns how many."""
+        if self.store is None or not self.store.is_dir():
+            return 0
+        restored = 0
+        with self._lock:
+            now = self._clock()
+            for path in sorted(self.store.glob(f"*{VOCAB_SUFFIX}")):
+                host = path.name[: -len(VOCAB_SUFFIX)].rsplit("-", 1)[0]
+                try:
+                    mapping = parse(path.read_bytes())
+                except (BadRequest, OSError) as error:
+                    _LOG.warning("ds-capture serve: %s is not a draft vocabulary (%s); set aside as %s.bad", path,
+                                 getattr(error, "message", error), path.name)
+                    path.replace(path.with_name(path.name + ".bad"))
+                    continue
+                entries = self._hosts.setdefault(host, [])
+                if not any(entry.mapping.same_as(mapping) for entry in entries):
+                    entries.append(_Entry(mapping, now, path))
+                    restored += 1
+        return restored
 
     def count(self) -> int:
         with self._lock:
@@ -152,7 +207,8 @@ class ServiceState:
 
     def __init__(self, *, vocab_size: int, max_seq_length: int, max_rows: int, model_info: dict,
                  embeddings: Callable[[], dict], scheduler: Scheduler, metrics: ServeMetrics,
-                 max_body_bytes: int, exit_on_disconnect: bool, vocab_idle_s: float = 60.0) -> None:
+                 max_body_bytes: int, exit_on_disconnect: bool, vocab_idle_s: float = 60.0,
+                 vocab_store: Path | None = None) -> None:
         self.vocab_size = vocab_size
         self.max_seq_length = max_seq_length
         self.max_rows = max_rows
@@ -165,9 +221,11 @@ class ServiceState:
         self.exit_on_disconnect = exit_on_disconnect
         self.ready = threading.Event()
         """Set once every rank loaded the target; cleared when the service stops."""
+        self.stopping = threading.Event()
+        """Set when the service stops or fails: requests not answered are dropped (NeMo's client retries)."""
         self.disconnected = threading.Event()
         """A client said ``disconnect`` (the loop stops on it only with ``exit_on_disconnect``)."""
-        self.mappings = VocabMappings(vocab_idle_s)
+        self.mappings = VocabMappings(vocab_idle_s, store=vocab_store)
         self._lock = threading.Lock()
 
     def embeddings_body(self) -> bytes:
@@ -179,6 +237,11 @@ class ServiceState:
 
 class ClientGone(Exception):
     """The client hung up before its body was read whole."""
+
+
+class Dropped(Exception):
+    """The service stops or failed before answering: the connection is reset, no status sent (NeMo's client retries
+    a connection error; it dies of an error status)."""
 
 
 def build_app(state: ServiceState):
@@ -232,6 +295,14 @@ def build_app(state: ServiceState):
         state.metrics.refuse("client_gone")
         return Response(status_code=400)  # nobody reads it
 
+    @app.exception_handler(Dropped)
+    async def dropped(request: Request, exc: Dropped) -> Response:
+        abort = request.scope.get(ABORT_KEY)
+        if abort is not None:
+            abort()
+        state.metrics.refuse("stopping")
+        return Response(status_code=503)  # not sent: the connection is gone
+
     @app.get("/health")
     async def health() -> Response:
         if not state.ready.is_set():
@@ -244,22 +315,25 @@ def build_app(state: ServiceState):
         state.metrics.held.set(state.scheduler.held())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    def require_ready(endpoint: str) -> None:
-        """Before the body is read: a service that cannot answer does not take it."""
-        if not state.ready.is_set():
-            raise BadRequest(503, f"{endpoint}: the target is not loaded on every rank yet, or the service is "
-                                  "stopping; poll GET /health until it answers 200", reason="not_ready",
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
+    async def wait_ready() -> None:
+        """Before the body is read: while the target loads the request waits (the client's timeout is retried);
+        once the service stops it is dropped."""
+        while not state.ready.is_set():
+            if state.stopping.is_set():
+                raise Dropped()
+            await asyncio.sleep(0.02)
+        if state.stopping.is_set():
+            raise Dropped()
 
     @app.post("/model_info")
     async def model_info(request: Request) -> Response:
-        require_ready("model_info")
+        await wait_ready()
         await read_body(request, "model_info")
         return answer("model_info", json.dumps(state.model_info).encode())
 
     @app.post("/input_embeddings")
     async def input_embeddings(request: Request) -> Response:
-        require_ready("input_embeddings")
+        await wait_ready()
         await read_body(request, "input_embeddings")
         body = await run_in_threadpool(state.embeddings_body)
         return answer("input_embeddings", body, "application/octet-stream")
@@ -268,7 +342,7 @@ def build_app(state: ServiceState):
     async def set_vocab_mapping(request: Request) -> Response:
         raw = await read_body(request, "set_vocab_mapping")
         mapping = await run_in_threadpool(parse_vocab_mapping, raw, vocab_size=state.vocab_size)
-        state.mappings.set(host_of(request), connection_of(request), mapping)
+        await run_in_threadpool(state.mappings.set, host_of(request), connection_of(request), mapping, raw)
         return answer("set_vocab_mapping", OK)
 
     async def admit(job: Job):
@@ -292,7 +366,7 @@ def build_app(state: ServiceState):
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         started = time.perf_counter()
-        require_ready("generate")
+        await wait_ready()
         raw = await read_body(request, "generate")
         parsed = await run_in_threadpool(parse_generate, raw, vocab_size=state.vocab_size,
                                          max_seq_length=state.max_seq_length, max_rows=state.max_rows)
@@ -304,8 +378,7 @@ def build_app(state: ServiceState):
         try:
             result = await asyncio.wrap_future(future)
         except Stopping as stopped:
-            return error("generate", 503, f"generate: {stopped}", "stopping",
-                         {"Retry-After": str(RETRY_AFTER_S)})
+            raise Dropped() from stopped
         except Exception as failed:  # noqa: BLE001 - this request's answer failed; the client hears why
             return error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
         finally:
@@ -373,10 +446,11 @@ def _tracking_protocol(on_close: Callable[[object], None] | None):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.connection_id = next(ids)
-            app, connection = self.app, self.connection_id
+            app, connection, protocol = self.app, self.connection_id, self
 
             async def tagged(scope, receive, send):
                 scope[CONNECTION_KEY] = connection
+                scope[ABORT_KEY] = lambda: protocol.transport.abort()
                 await app(scope, receive, send)
 
             self.app = tagged

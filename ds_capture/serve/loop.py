@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -36,7 +37,8 @@ from ds_capture.parallel.layout import new_groups
 from ds_capture.recipe.config import RunConfig
 from ds_capture.serve.app import HttpServer, ServiceState, build_app
 from ds_capture.serve.metrics import ServeMetrics
-from ds_capture.serve.scheduler import Job, Scheduler, resolve
+from ds_capture.serve.protocol import parse_vocab_mapping
+from ds_capture.serve.scheduler import Job, Scheduler, Stopping, resolve
 from ds_capture.serve.supervision import Supervisor
 from ds_capture.session import (
     SessionPlan,
@@ -75,6 +77,9 @@ class ServeOptions:
     """Requests queued plus held past which one is refused (503, ``Retry-After``)."""
     vocab_idle_s: float = 60.0
     """A draft vocabulary no request used for this long is no longer live (see serve/app.py VocabMappings)."""
+    vocab_dir: Path | None = None
+    """Where each replica keeps its trainers' draft vocabularies (``replica-<d>/``), restored on a restart: a
+    trainer rides through a requeue of the service with its vocabulary (``--vocab-dir``; None: memory only)."""
     tick_s: float = 0.05
     """How long a listener waits for a request before the ranks' next stop vote while idle."""
     log_interval_s: float = 30.0
@@ -140,7 +145,8 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
                                     max_queued_bytes=int(options.max_queued_mib * 2**20),
                                     hard_limit=options.max_held),
                 metrics=ServeMetrics(), max_body_bytes=int(options.max_body_mib * 2**20),
-                exit_on_disconnect=options.exit_on_disconnect, vocab_idle_s=options.vocab_idle_s)
+                exit_on_disconnect=options.exit_on_disconnect, vocab_idle_s=options.vocab_idle_s,
+                vocab_store=options.vocab_dir / f"replica-{plan.dp_rank}" if options.vocab_dir else None)
             server = HttpServer(build_app(state), options.host, port, on_close=state.mappings.closed)
             server.start()
         except Exception as caught:  # noqa: BLE001 - every rank must reach agree_on_error
@@ -155,6 +161,11 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
         with target_forward(model, target, session.layer_ids, pre_norm_last=True,
                             chunk_tokens=session.chunk_tokens) as forward:
             if listens:
+                restored = state.mappings.restore(lambda raw: parse_vocab_mapping(raw, vocab_size=target.vocab_size))
+                if restored:
+                    _LOG.warning("ds-capture serve: replica %d restored %d draft vocabular%s from %s (a restart: "
+                                 "its trainers go on with them)", plan.dp_rank, restored, "y" if restored == 1 else
+                                 "ies", state.mappings.store)
                 state.ready.set()
                 state.metrics.ready.set(1)
                 # Every replica's listener says where it listens (ranks but 0 log warnings and up only).
@@ -174,6 +185,7 @@ def _serve(cfg: RunConfig, session: SessionPlan, stop: StopOnSignal, options: Se
                             seconds=time.perf_counter() - started)
     finally:
         if state is not None:
+            state.stopping.set()  # what is not answered now is dropped: NeMo's client retries a connection error
             state.ready.clear()
             state.metrics.ready.set(0)
             state.scheduler.close("the service is stopping")
@@ -229,8 +241,8 @@ class _Lockstep:
                                    if other is not None and other[0] == "forward")
                     self._step(jobs, *(mine[1:] if mine is not None else (0, 0)), forwards)
                 except BaseException as error:
-                    for job in jobs:  # their clients get an answer (a 500) before the service goes down
-                        resolve(job.future, error=error)
+                    for job in jobs:  # dropped (a connection error, which NeMo's client retries): the service goes down
+                        resolve(job.future, error=Stopping(f"the service failed: {type(error).__name__}"))
                     raise
                 finally:
                     if self.listens:

@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-REFUSAL_REASONS = ("not_ready", "stopping", "queue_full", "bad_request", "too_large", "no_vocab_mapping",
+REFUSAL_REASONS = ("stopping", "queue_full", "bad_request", "too_large", "no_vocab_mapping",
                    "vocab_mapping_ambiguous", "client_gone", "failed")
 """``ds_capture_serve_refusals_total{reason}``: every refused or unanswered request counts under one of these."""
 

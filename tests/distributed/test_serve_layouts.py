@@ -145,7 +145,8 @@ def test_exit_on_disconnect_with_dp_replicas_resolves_every_taken_request(target
               f"{sorted(round(t, 2) for t, _ in late if t > 0)} s as {[o for t, o in late if t > 0]}; "
               f"exit {code} {exited:.1f} s after it")
         assert code == 0, service.log()[-4000:]
-        assert all(outcome in (200, 503) for _, outcome in late), late
+        # Answered, or (queued on the replica that stops) dropped: a connection error, never an error status.
+        assert all(outcome == 200 or isinstance(outcome, str) for _, outcome in late), late
         assert max(t for t, _ in late) < 1.0, late
         assert "ds-capture serve stopped (a client disconnected (--exit-on-disconnect))" in service.log()
     finally:
@@ -178,8 +179,8 @@ def test_tp2_service_trains_like_colocated(targets, tmp_path):
 @pytest.mark.parametrize("fault", ["freeze", "kill"])
 def test_a_frozen_or_killed_rank_ends_every_rank_with_exit_75(targets, tmp_path, fault):
     """Rank 1 frozen (SIGSTOP) or killed (SIGKILL) while a trainer's requests are in flight: rank 0 exits 75 within
-    the liveness limit plus 5 s, its port is closed (clients see connection errors, which NeMo retries), and the
-    request in flight is answered with an error or a connection error, never left hanging."""
+    the liveness limit plus 5 s, its port is closed, and the request in flight is dropped: a connection error, which
+    NeMo's client retries (never an error status, which it dies of), never left hanging."""
     import socket
     import threading
 
@@ -222,19 +223,17 @@ def test_a_frozen_or_killed_rank_ends_every_rank_with_exit_75(targets, tmp_path,
         assert service.health() is None
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", service.port), timeout=2).close()
-        # Answered before the fault; then at most an error answer (the forward's collective failed: 500), and a
-        # connection error once the listener closed: nothing left hanging (the trainer thread ended).
-        first_bad = next(i for i, o in enumerate(outcomes) if o != 200)
-        assert all(o in (500, 503) for o in outcomes[first_bad:-1]), outcomes
-        assert outcomes[-1] not in (200, 500, 503), outcomes  # a connection error: NeMo's client retries it
+        # Answered before the fault; then a connection error (the request in flight dropped, or the listener
+        # closed): nothing left hanging (the trainer thread ended), no error status.
+        assert all(o == 200 for o in outcomes[:-1]) and isinstance(outcomes[-1], str), outcomes
         if fault == "freeze":
             assert "ds-capture: rank 0 stopping: rank 1 (host" in service.log(), service.log()[-3000:]
             os.kill(victim, signal.SIGKILL)  # what a scheduler does with a rank that never wakes up
         service.wait(30)
         failures = re.findall(r"rank\s*:\s*(\d+).*?\n.*?exitcode\s*:\s*(-?\d+)", service.log(), re.S)
         print(f"torchrun's report (rank, exit code): {failures}")
-        if fault == "freeze":  # rank 0 ended itself: liveness's 75
-            assert re.search(r"exitcode\s*:\s*75", service.log()), service.log()[-3000:]
+        # Rank 0 ended itself with 75 (rerun to continue): liveness's verdict, or the collective its dead peer broke.
+        assert re.search(r"exitcode\s*:\s*75", service.log()), service.log()[-3000:]
     finally:
         if victim is not None:
             try:

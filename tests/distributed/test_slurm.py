@@ -10,6 +10,7 @@ The cluster is started once for the session and stopped afterwards (no daemon, j
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -143,3 +144,123 @@ def test_scancel_signal_term_mid_run_requeues_and_finishes_the_same_cache(slurm_
     assert not list(out.rglob("*.tmp")) and not (out / ".ds_capture" / "lock").exists()
     assert_equals_reference(out, setup["reference"])
     print(f"slurm: SIGTERM once the manifest was written, requeued once: kept {kept}, wrote {written}")
+
+
+# ------------------------------------------------------------------------------------------------ the service
+SERVE_SEQ = 128
+SERVE_DATA = REPO_ROOT / "tests" / "fixtures" / "eagle3" / "data.jsonl"  # 10 rows: 5 steps an epoch
+SERVE_LIMIT_S = 6  # dist_env.heartbeat_timeout_seconds of write_serve_recipe
+TRAIN_SERVE = ["--data", str(SERVE_DATA), "--seq-length", str(SERVE_SEQ), "--ttt-steps", "3", "--epochs", "4"]
+
+
+def _rank_pid(job: int, rank: int) -> int | None:
+    """The pid of the job's task ``rank`` running ``ds_capture serve`` (found by its Slurm environment)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if (b"ds_capture\0serve" in cmdline and f"SLURM_JOB_ID={job}".encode() in environ
+                and f"SLURM_PROCID={rank}".encode() in environ):
+            return int(pid)
+    return None
+
+
+def _served(url: str) -> int:
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return -1
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith('ds_capture_serve_requests_total{endpoint="generate",status="200"}'))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_serving_rank_requeues_the_service_and_a_nemo_trainer_rides_through(slurm_cluster, tmp_path):
+    """``COMMAND=serve sbatch launch/slurm.sbatch`` on 2 tasks (EP 2, one URL per replica). NeMo's own trainer
+    (``remote_timeout: 30``, ``remote_max_retries: 8``) trains against it; rank 1 is SIGKILLed mid-training. The
+    other rank is out within the liveness limit, srun reports the death, the script requeues the job, the
+    service comes back on the same ports with the trainer's draft vocabulary, and the trainer finishes with the
+    losses of NeMo's colocated target, bit for bit: it never saw an error status, only connection errors it
+    retried."""
+    from tests.distributed.launchers import reserve_ports
+    from tests.eagle3_support import build_fixture_target, read_spec
+    from tests.serve_support import write_serve_recipe
+
+    target = build_fixture_target(read_spec(), "qwen3_moe", tmp_path / "target")
+    recipe = write_serve_recipe(tmp_path / "serve.yaml", target, seq_length=SERVE_SEQ, ep_size=2)
+    log = tmp_path / "job.out"
+    with reserve_ports(2) as port:  # held (from other tests) until the service is gone
+        _serve_requeue(slurm_cluster, target, recipe, log, port, tmp_path)
+
+
+def _serve_requeue(slurm_cluster, target, recipe, log, port, tmp_path) -> None:
+    import httpx
+
+    from tests.serve_support import run_nemo
+
+    urls = [f"http://127.0.0.1:{port + d}" for d in range(2)]
+    job = slurm_cluster.sbatch([*SMALL, f"--output={log}", str(SBATCH), "--port", str(port), "--log-interval", "0"],
+                               job_env({"CONFIG": str(recipe), "COMMAND": "serve",
+                                        "VOCAB_DIR": str(tmp_path / "vocab")}), cwd=REPO_ROOT)
+    trainer = None
+    try:
+        colocated = run_nemo("train_eagle3.py", "--target", str(target), *TRAIN_SERVE, timeout_s=400)
+        deadline = time.monotonic() + 200
+        while not all(_served(url) >= 0 for url in urls):
+            assert slurm_cluster.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), job_output(log)
+            assert time.monotonic() < deadline, job_output(log)[-3000:]
+            time.sleep(0.5)
+        command = [sys.executable, str(REPO_ROOT / "tools" / "nemo_oracle" / "train_eagle3.py"), "--target",
+                   str(target), *TRAIN_SERVE, "--remote-url", urls[0], "--remote-url", urls[1],
+                   "--remote-timeout", "30", "--remote-max-retries", "8"]
+        trainer = subprocess.Popen(command, env={**child_env(), "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while sum(max(0, _served(url)) for url in urls) < 4:  # mid-training
+            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, job_output(log)[-3000:]
+            time.sleep(0.05)
+        rank0, rank1 = _rank_pid(job, 0), _rank_pid(job, 1)
+        assert rank0 and rank1, job_output(log)[-3000:]
+        os.kill(rank1, 9)
+        killed = time.monotonic()
+        while _alive(rank0) and time.monotonic() < killed + SERVE_LIMIT_S + 30:
+            time.sleep(0.1)
+        rank0_out = time.monotonic() - killed
+        record = slurm_cluster.wait_job(job, timeout_s=240, until=lambda r: r.get("Restarts") == "1"
+                                        and r.get("JobState") == "RUNNING")
+        back = None
+        while back is None and time.monotonic() < killed + 240:
+            if all(_served(url) >= 0 for url in urls):
+                back = time.monotonic() - killed
+            time.sleep(0.2)
+        out, err = trainer.communicate(timeout=400)
+        assert trainer.returncode == 0, err[-4000:]
+        remote = json.loads(out.strip().splitlines()[-1])
+        text = job_output(log)
+        print(f"slurm serve: rank 1 SIGKILLed -> rank 0 out in {rank0_out:.1f} s, job requeued "
+              f"(Restarts={record.get('Restarts')}), service healthy again {back:.1f} s after the kill; the NeMo "
+              f"trainer finished {remote['steps']} steps, losses equal to colocated: "
+              f"{remote['losses'] == colocated['losses']}")
+        assert rank0_out < SERVE_LIMIT_S + 5, rank0_out
+        assert "requeueing job" in text and "restored 1 draft vocabulary" in text, text[-4000:]
+        assert remote["steps"] == colocated["steps"] == 20
+        assert remote["losses"] == colocated["losses"], (remote, colocated)
+        assert httpx.get(f"{urls[0]}/health", timeout=10).status_code == 200
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+        slurm_cluster.client(["scancel", str(job)], check=False)
+        slurm_cluster.wait_job(job, timeout_s=120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

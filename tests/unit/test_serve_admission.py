@@ -3,8 +3,10 @@ a stand-in loop answering each request with its own tensors and the draft vocabu
 
 What is judged: draft vocabularies follow the trainer's host across new connections and never cross (two live ones
 on a host: a 409 naming the fix); a mapping no one used for ``idle_s`` is forgotten; a full queue holds connections
-(back-pressure) and refuses (503 with Retry-After) only past the hard limit; a service that is not ready refuses
-before reading the body; a client hanging up mid-body is one log line; a cancelled future is skipped, never a crash;
+(back-pressure) and refuses (503 with Retry-After) only past the hard limit; while the target loads a request waits
+with its body unread and is answered once ready; once the service stops an unanswered request is dropped (a
+connection error, which NeMo's client retries; never an error status); vocabularies kept in a store come back
+after a restart; a client hanging up mid-body is one log line; a cancelled future is skipped, never a crash;
 ``close`` resolves taken jobs too; /metrics carries the histograms and the refusal counters.
 """
 
@@ -20,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from ds_capture.serve.app import HttpServer, ServiceState, build_app
+from ds_capture.serve.app import HttpServer, ServiceState, VocabMappings, build_app
 from ds_capture.serve.metrics import ServeMetrics
 from ds_capture.serve.protocol import GenerateRequest
 from ds_capture.serve.scheduler import Job, Scheduler, Stopping, resolve
@@ -34,15 +36,19 @@ VOCAB = 384
 class FakeService:
     """The app over a :class:`Scheduler`, answered by a thread: ``{"input_ids", "draft_ids"}`` per request."""
 
-    def __init__(self, *, vocab_idle_s: float = 60.0, **scheduler) -> None:
+    def __init__(self, *, vocab_idle_s: float = 60.0, vocab_store=None, clock=None, **scheduler) -> None:
         self.state = ServiceState(
             vocab_size=VOCAB, max_seq_length=64, max_rows=8, model_info={"vocab_size": VOCAB},
             embeddings=lambda: {"weight": torch.zeros(2, 2)}, scheduler=Scheduler(max_rows=8, **scheduler),
-            metrics=ServeMetrics(), max_body_bytes=1 << 20, exit_on_disconnect=False, vocab_idle_s=vocab_idle_s)
+            metrics=ServeMetrics(), max_body_bytes=1 << 20, exit_on_disconnect=False, vocab_idle_s=vocab_idle_s,
+            vocab_store=vocab_store)
+        if clock is not None:  # the vocabularies' idle time on a clock the test moves (no sleeps, no timing race)
+            self.state.mappings = VocabMappings(vocab_idle_s, clock=clock, store=vocab_store)
         self.server = HttpServer(build_app(self.state), "127.0.0.1", 0, on_close=self.state.mappings.closed)
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.running = threading.Event()
         self.running.set()
+        self._parked = threading.Event()
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._answer, daemon=True)
 
@@ -58,6 +64,7 @@ class FakeService:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self.running.set()
+        self.state.stopping.set()
         self.state.ready.clear()
         self.state.scheduler.close("the service is stopping")
         self._loop.join(5)
@@ -66,12 +73,20 @@ class FakeService:
     def _answer(self) -> None:
         scheduler = self.state.scheduler
         while not self._stop.is_set():
-            self.running.wait()
+            if not self.running.is_set():
+                self._parked.set()
+                self.running.wait()
+                self._parked.clear()
             jobs = scheduler.take(0.02)
             for job in jobs:
                 resolve(job.future, result={"input_ids": job.request.input_ids,
                                             "draft_ids": job.mapping.selected_token_ids})
             scheduler.done()
+
+    def pause(self) -> None:
+        """Until ``running.set()``: the loop takes nothing more (returns once it is parked, nothing in hand)."""
+        self.running.clear()
+        assert self._parked.wait(10)
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -139,7 +154,8 @@ def test_two_live_vocabularies_on_one_host_never_cross():
 
 
 def test_a_dead_trainers_vocabulary_is_forgotten_after_idle_s():
-    with FakeService(vocab_idle_s=0.5) as service:
+    now = [0.0]
+    with FakeService(vocab_idle_s=60, clock=lambda: now[0]) as service:
         with _client(service) as dead:  # SIGKILLed: its connection ends, no disconnect
             assert dead.post("/set_vocab_mapping", content=_mapping(96)).status_code == 200
         with _client(service) as replacement:  # another vocabulary at once: its own connection's
@@ -147,7 +163,7 @@ def test_a_dead_trainers_vocabulary_is_forgotten_after_idle_s():
             assert _draft(replacement.post("/generate", content=_batch())) == 200
             with _client(service) as new:
                 assert new.post("/generate", content=_batch()).status_code == 409  # the dead one is still live
-            time.sleep(0.6)
+            now[0] += 61
             assert _draft(replacement.post("/generate", content=_batch())) == 200
             with _client(service) as new:  # the dead one is forgotten; the replacement's connection is open
                 assert _draft(new.post("/generate", content=_batch())) == 200
@@ -169,8 +185,7 @@ def test_a_full_queue_holds_connections_and_refuses_only_past_the_hard_limit():
     with FakeService(max_queued_rows=2, hard_limit=5) as service:
         with _client(service) as setup:
             assert setup.post("/set_vocab_mapping", content=_mapping(96)).status_code == 200
-        service.running.clear()  # the loop stalls: the queue fills
-        time.sleep(0.1)
+        service.pause()  # the loop stalls: the queue fills
         with ThreadPoolExecutor(8) as pool:
             held = [pool.submit(httpx.post, f"{service.url}/generate", content=_batch(seed=i), timeout=30)
                     for i in range(5)]
@@ -204,15 +219,71 @@ def _raw(port: int, head: bytes, body: bytes = b"", *, read: bool = True) -> byt
         return reply
 
 
-def test_not_ready_refuses_before_reading_the_body():
-    with FakeService() as service:
+def test_while_loading_a_request_waits_unread_and_is_answered_once_ready():
+    """A trainer retrying into a (re)starting service: no error status (NeMo's client dies of one); the body stays
+    unread until every rank loaded, then the request is answered."""
+    with FakeService() as service, _client(service) as trainer:
+        assert trainer.post("/set_vocab_mapping", content=_mapping(96)).status_code == 200  # needs no model
         service.state.ready.clear()
-        started = time.monotonic()
-        # A declared megabyte never sent: the answer comes without waiting for it.
-        reply = _raw(service.server.port, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
-        assert reply.startswith(b"HTTP/1.1 503") and b"retry-after: 5" in reply.lower(), reply
-        assert b"not loaded on every rank yet" in reply and time.monotonic() - started < 3
-        assert service.metric('ds_capture_serve_refusals_total{reason="not_ready"}') == 1
+        body = _batch()
+        with socket.create_connection(("127.0.0.1", service.server.port), timeout=10) as sock:
+            # The head only: a service that read bodies while loading would wait here for the rest in vain.
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode())
+            sock.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                sock.recv(1)  # nothing answered while loading
+            assert service.metric("ds_capture_serve_refusals_total") == 0
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(trainer.post, "/generate", content=body)
+            time.sleep(0.3)
+            assert not waiting.done()
+            service.state.ready.set()
+            assert _draft(waiting.result(10)) == 96
+
+
+def test_once_stopping_an_unanswered_request_is_dropped_not_refused():
+    """Queued when the service stops, or sent while it stops: the connection is reset without a status, which
+    NeMo's client (requests) raises as ConnectionError and retries; a 503 would end the trainer."""
+    import requests
+
+    with FakeService() as service, _client(service) as trainer:
+        assert trainer.post("/set_vocab_mapping", content=_mapping(96)).status_code == 200
+        service.pause()  # the loop takes nothing: the request waits in the queue
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(trainer.post, "/generate", content=_batch())
+            deadline = time.monotonic() + 5
+            while service.state.scheduler.depth() == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            service.state.stopping.set()
+            service.state.ready.clear()
+            service.state.scheduler.close("the service is stopping")
+            with pytest.raises(httpx.TransportError):
+                queued.result(10)
+        with pytest.raises(requests.ConnectionError):  # what NeMo's client catches and retries
+            requests.post(f"{service.url}/generate", data=_batch(), timeout=10)
+        assert service.metric('ds_capture_serve_refusals_total{reason="stopping"}') == 2
+
+
+def test_vocabularies_kept_in_a_store_come_back_after_a_restart(tmp_path):
+    """A trainer riding through a restart (a requeue) keeps its vocabulary: the new service restores it from the
+    store and gives it to the trainer's new connection; a disconnect forgets it, on disk too."""
+    from ds_capture.serve.protocol import parse_vocab_mapping
+
+    with FakeService(vocab_store=tmp_path) as first, _client(first) as trainer:
+        assert trainer.post("/set_vocab_mapping", content=_mapping(96)).status_code == 200
+    (kept,) = tmp_path.glob("*.vocab")
+    assert kept.name.startswith("127.0.0.1-") and kept.read_bytes() == _mapping(96)
+    with FakeService(vocab_store=tmp_path) as second:
+        assert second.state.mappings.restore(lambda raw: parse_vocab_mapping(raw, vocab_size=VOCAB)) == 1
+        with _client(second) as trainer:  # a new connection that set nothing: its host's one restored vocabulary
+            assert _draft(trainer.post("/generate", content=_batch())) == 96
+            assert trainer.post("/disconnect", content=b"{}").status_code == 200
+    assert list(tmp_path.glob("*.vocab")) == []
+    (tmp_path / "127.0.0.1-0123.vocab").write_bytes(b"not a mapping")
+    with FakeService(vocab_store=tmp_path) as third:
+        assert third.state.mappings.restore(lambda raw: parse_vocab_mapping(raw, vocab_size=VOCAB)) == 0
+    assert [path.name for path in tmp_path.iterdir()] == ["127.0.0.1-0123.vocab.bad"]
 
 
 def test_a_client_hanging_up_mid_body_is_one_log_line(caplog):
@@ -286,7 +357,7 @@ def test_metrics_have_histograms_and_refusal_counters():
     for name in ("ds_capture_serve_request_seconds_bucket", "ds_capture_serve_queue_wait_seconds_bucket",
                  "ds_capture_serve_forward_time_seconds_bucket", "ds_capture_serve_batch_rows_bucket",
                  'ds_capture_serve_refusals_total{reason="queue_full"} 0.0',
-                 'ds_capture_serve_refusals_total{reason="not_ready"} 0.0'):
+                 'ds_capture_serve_refusals_total{reason="stopping"} 0.0'):
         assert name in text, name
     assert 'ds_capture_serve_request_seconds_count 1.0' in text
 

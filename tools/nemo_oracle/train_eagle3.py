@@ -48,8 +48,8 @@ def recipe_config(args, out_dir: str) -> dict:
         recipe["aux_layer_ids"] = args.aux_layer_ids
     if args.remote_url:
         recipe["remote_urls"] = list(args.remote_url)
-        recipe["remote_timeout"] = 60
-        recipe["remote_max_retries"] = 0
+        recipe["remote_timeout"] = args.remote_timeout
+        recipe["remote_max_retries"] = args.remote_max_retries
     return {"recipe_args": recipe, "dist_env": {"backend": "gloo", "timeout_minutes": 2},
             "optimizer": {"lr": 1e-3, "warmup_ratio": 0.0}}
 
@@ -66,6 +66,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--aux-layer-ids", type=int, nargs="*")
     parser.add_argument("--prefetch", type=int, default=0)
     parser.add_argument("--remote-url", action="append")
+    parser.add_argument("--remote-timeout", type=int, default=60, help="NeMo's remote_timeout (s per try)")
+    parser.add_argument("--remote-max-retries", type=int, default=0,
+                        help="NeMo's remote_max_retries (connection errors and timeouts; 1, 2, 4, ... s apart)")
     args = parser.parse_args(argv)
 
     single_process_env()
