@@ -166,6 +166,7 @@ class TargetForward:
         self.model = model
         self.hooks = hooks
         self.chunk_tokens = chunk_tokens
+        self.carriers = target.family.chunk_carriers  # a NeMo-built family's own carriers of its layers' state
         # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
         self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
                                                                                     "logits_to_keep": 1}
@@ -193,7 +194,8 @@ class TargetForward:
                        **self.forward_kwargs)
         self.hooks.reset()
         if self.forwards_for(input_ids.shape[1]) > 1:
-            return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs)
+            return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs,
+                                     carriers=self.carriers)
         return self.model(**inputs, **self.forward_kwargs)
 
 

@@ -279,7 +279,9 @@ class Sizer:
             bias_bytes=family.attention_bias(text, B, S) if family.attention_bias else 0,
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
             chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row
-            if chunk_tokens and chunk_tokens < S else 0)
+            if chunk_tokens and chunk_tokens < S else 0,
+            carried_transient_bytes=B * self.carried_state().transient_bytes if chunk_tokens and chunk_tokens < S
+            else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,

@@ -137,7 +137,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
-                             carried_bytes: int = 0) -> tuple[list[Term], Term]:
+                             carried_bytes: int = 0, carried_transient_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -150,7 +150,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
     row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
-    (:mod:`ds_capture.sizing.carried_state`).
+    (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
+    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -188,6 +189,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     if indexer_bytes:
         note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
     attention += max(scores, indexer_bytes)
+    if Q < S and carried_transient_bytes:
+        attention += carried_transient_bytes
+        note += f" + the prefix's keys and values expanded from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
     blocks = [Term("attention block", attention, note),
               Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
                    "2 x every MLP projection's output on this rank")]
