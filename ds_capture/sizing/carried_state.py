@@ -34,8 +34,8 @@ class CarriedState:
     """One row's carried state at S on one rank: the whole model's, whatever the TP degree (MLA's latent and DSA's
     index keys are whole on every TP rank; a GQA layer's share would be 1/tp of it, so under TP this is a bound)."""
     how: str
-    """``counted`` (a meta forward's cache, or the carriers' declared shapes) or ``bound`` (keys and values of every
-    layer, from the config)."""
+    """``counted`` (a meta forward's cache), ``declared`` (a NeMo-built family's carriers' shapes on the meta model)
+    or ``bound`` (keys and values of every layer, from the config)."""
     transient_bytes: int = 0
     """The largest one layer expands from its carried state for the row's last chunk (MLA's prefix keys and values
     from the latent: alive during that layer's attention only). 0 where the cache holds what attention reads."""
@@ -90,7 +90,7 @@ def _count_carriers(target: TargetInfo, seq_length: int, compute_bytes: int) -> 
             total += kind.state_bytes(module, 1, seq_length, dtype)
             if hasattr(kind, "expansion_bytes"):
                 transient = max(transient, kind.expansion_bytes(module, 1, seq_length, dtype))
-    return CarriedState(bytes_per_row=total, how="counted", transient_bytes=transient)
+    return CarriedState(bytes_per_row=total, how="declared", transient_bytes=transient)
 
 
 def _collect(value, into: dict[int, torch.Tensor], depth: int) -> None:
