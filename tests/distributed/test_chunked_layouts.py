@@ -6,7 +6,8 @@ them needs and the short rank forwards fillers (a rank that skipped one would ha
 FSDP2's gathers). Target: tiny Qwen3-MoE (2 layers), fp32. Each layout's chunked cache (``chunked_prefill: 256``)
 must equal the single process's whole-row cache: ids and masks exactly, states within 1e-5 of the tensor's
 maximum (``support.max_rel_diff``); and it must finish within its timeout.
-CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2.
+CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2, and Kimi K3 (NeMo's class, the tiny release,
+its state carried by :mod:`ds_capture.target.nemo_kda_mla_chunks`) on EP 2.
 """
 
 from __future__ import annotations
@@ -80,3 +81,36 @@ def test_chunked_cache_on_two_ranks_equals_the_whole_row_single_process(whole_ro
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     assert max_rel_diff(single, out) <= 1e-5
+
+
+@pytest.mark.slow
+def test_kimi_k3_chunked_on_ep2_equals_the_whole_row_single_process(tmp_path):
+    """Kimi K3 (NeMo's class; KDA and MLA state carried by ds_capture's carriers), EP 2 on the DeepSpeed engine,
+    chunks of 256 (the long rows' rank forwards 8 chunks a row, the short rows' rank fillers): equal to one process's
+    whole-row cache (fp32, within 1e-5)."""
+    pytest.importorskip("nemo_automodel")
+    from ds_capture.demo import demo_tokenizer
+    from ds_capture.recipe.config import load_config
+    from ds_capture.runner import run_capture
+    from tests import nemo_k3_release
+
+    ensure_shm_op_built()
+    release = nemo_k3_release.write_tiny_k3_release(tmp_path / "k3", seed=0, tokenizer=demo_tokenizer())
+    data = _data(tmp_path / "rows.jsonl")
+
+    def recipe(name: str, out: Path, chunked_prefill, distributed: dict | None = None) -> Path:
+        path = _recipe(tmp_path / name, release, data, out, chunked_prefill, "deepspeed", distributed)
+        raw = yaml.safe_load(path.read_text())
+        raw["capture"]["compute_dtype"] = "fp32"
+        raw["recipe_args"]["target_layer_ids"] = [-1, 0, 1, 3]
+        path.write_text(yaml.safe_dump(raw))
+        return path
+
+    run_capture(load_config(str(recipe("single.yaml", tmp_path / "single", "off"))), show_progress=False)
+    out = tmp_path / "ep2"
+    result = kh.run_cli_forked(2, recipe("ep2.yaml", out, 256, {"ep_size": 2}), timeout_s=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    worst = max_rel_diff(tmp_path / "single", out)
+    print(f"[chunked prefill] kimi_k3 ep2 chunk 256: worst {worst:.2e}")
+    assert worst <= 1e-5
