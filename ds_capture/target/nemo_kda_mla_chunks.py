@@ -133,7 +133,7 @@ class LatentKvCarrier:
     @staticmethod
     def expansion_bytes(module: torch.nn.Module, batch: int, seq_length: int, dtype: torch.dtype) -> int:
         """The keys and values the last chunk expands from the row's latent at S (``ds-capture plan``'s transient
-        of that chunk's attention; one ``EXPAND_TOKENS`` slice of ``kv_b_proj``'s output beside them)."""
+        of that chunk's attention; the ``EXPAND_TOKENS`` rows of ``kv_b_proj``'s output beside them are left out)."""
         per_token = module.num_heads * (module.q_head_dim + module.v_head_dim)
         return batch * seq_length * per_token * torch.empty((), dtype=dtype).element_size()
 
@@ -187,7 +187,14 @@ class LatentKvCarrier:
         # NeMo's own SDPA call; key / value are [B, H, P + C, *] already, so its transposes copy nothing.
         query, key, value, attention_kwargs = _nemo_attention_inputs()(
             query, key.transpose(1, 2), value.transpose(1, 2), causal, "sdpa")
-        output = module.attn_func(query, key, value, dropout_p=0.0, **attention_kwargs)
+        if prefix:
+            # NeMo's SDPA function with this mask would repeat_interleave keys and values by their group count
+            # (a copy of the prefix's, even at 1); the call it then makes, on the tensors as they are.
+            assert module.num_key_value_groups == 1, "K3's MLA has as many key/value heads as query heads"
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, dropout_p=0.0, scale=module.scaling, enable_gqa=False, **attention_kwargs)
+        else:
+            output = module.attn_func(query, key, value, dropout_p=0.0, **attention_kwargs)
         output = _nemo_attention_output()(output, "sdpa").reshape(batch, length, -1)
         if module.use_output_gate:
             output = output * module.g_proj(hidden_states).sigmoid()
