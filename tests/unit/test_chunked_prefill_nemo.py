@@ -109,3 +109,54 @@ def test_plan_counts_the_state_k3s_carriers_hold(k3_release):
     assert counted.bytes_per_row == real, (counted, real)
     # Only MLA's latent grows with the row: twice the row, twice the latent, the same KDA state.
     assert carried_state_bytes(target, 2 * seq_length, 4).bytes_per_row == real + latent
+
+
+def test_a_mask_with_padding_before_content_is_refused_and_right_padding_is_dropped():
+    """A client's mask (serve) under a NeMo family's chunks: right padding is dropped (content never sees it), padding
+    before content is refused before any chunk runs."""
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.errors import CaptureError
+
+    ids = torch.ones(2, 8, dtype=torch.int64)
+    left = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+    with pytest.raises(CaptureError) as caught:
+        forward_in_chunks(torch.nn.Identity(), {"input_ids": ids, "attention_mask": left}, 4, {},
+                          carriers={"Identity": "builtins:object"})
+    assert str(caught.value) == (
+        "capture.chunked_prefill: a row of this request has padding before its content (attention_mask 0 then 1), "
+        "which the chunked prefill of a NeMo-built target cannot carry. Send right-padded rows (content first), or "
+        "set capture.chunked_prefill: off.")
+    model = _Recorder()
+    right = torch.tensor([[1] * 8, [1] * 6 + [0, 0]])
+    forward_in_chunks(model, {"input_ids": ids, "attention_mask": right}, 4, {"logits_to_keep": 1},
+                      carriers={"_Inner": f"{__name__}:_CountingCarrier"})
+    # Two chunks of 4, without the mask, each through a carrier of the row; the module's own forward is back after.
+    assert model.seen == [(4, ["logits_to_keep"]), (4, ["logits_to_keep"])]
+    assert _CountingCarrier.chunks_seen == [1, 2] and "forward" not in vars(model.inner)
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, x):
+        raise AssertionError("the carrier forwards this module during the chunks")
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.seen = _Inner(), []
+
+    def forward(self, input_ids, **kwargs):
+        self.seen.append((input_ids.shape[1], sorted(kwargs)))
+        return self.inner(input_ids)
+
+
+class _CountingCarrier:
+    chunks_seen: list[int] = []
+
+    def __init__(self, module) -> None:
+        self.chunks = 0
+
+    def forward(self, x):
+        self.chunks += 1
+        _CountingCarrier.chunks_seen.append(self.chunks)
+        return x
