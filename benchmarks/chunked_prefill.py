@@ -1,7 +1,8 @@
 """Chunked prefill: time and peak memory of long rows forwarded whole vs in chunks, side by side in one run.
 
 In: tiny targets of real architectures (``ds_capture.demo.build_tiny_target`` through the test suite's family
-builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa)), one row per length made of the bundled demo
+builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa); with ``--targets kimi_k3`` the tiny Kimi K3 release of
+``tests/nemo_k3_release.py``, NeMo's class with ds_capture's KDA / MLA carriers), one row per length made of the bundled demo
 conversations joined (cycled) until it fills S. Out: one JSON object on stdout:
 
 - ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows and for chunks of
@@ -55,7 +56,7 @@ def one(spec: dict) -> dict:
     from tests.unit.test_families import family_target_builder
 
     work = Path(spec["work"])
-    target = family_target_builder(work / "targets")(spec["model_type"])
+    target = _target(work / "targets", spec["model_type"], family_target_builder)
     rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
     turns = [m for row in rows for m in row["messages"] if m["role"] in ("user", "assistant")]
     per_turn = 12  # demo turns average ~30 tokens: cycle until the row surely fills S
@@ -84,6 +85,18 @@ def one(spec: dict) -> dict:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
             "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1)}
+
+
+def _target(root: Path, model_type: str, family_target_builder) -> Path:
+    if model_type != "kimi_k3":
+        return family_target_builder(root)(model_type)
+    from ds_capture.demo import demo_tokenizer
+    from tests import nemo_k3_release
+
+    path = root / "kimi_k3"
+    if not (path / "model.safetensors").is_file():
+        nemo_k3_release.write_tiny_k3_release(path, seed=0, tokenizer=demo_tokenizer())
+    return path
 
 
 def measure(spec: dict) -> dict:

@@ -244,7 +244,7 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                               buffer_mib=options.writer_buffer_mib, device=device)
     vote, stopped_at = StopVote(stop), None  # StopVote: collective (a side group), every rank
     with _output_errors(out_dir), writer, target_forward(model, target, layer_ids, pre_norm_last=kind.pre_norm_last,
-                                                         chunk_tokens=chunk_tokens) as forward:
+                                                         chunk_tokens=chunk_tokens, chunks_to_host=True) as forward:
         for step in range(num_steps):
             # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
             # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.

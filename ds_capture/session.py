@@ -154,10 +154,12 @@ class TargetForward:
     for the last position's logits only (``[B, S, vocab]`` would dwarf the hidden states)."""
 
     def __init__(self, model: torch.nn.Module, target: TargetInfo, hooks: LayerCapture, *,
-                 chunk_tokens: int | None = None) -> None:
+                 chunk_tokens: int | None = None, chunks_to_host: bool = False) -> None:
         self.model = model
         self.hooks = hooks
         self.chunk_tokens = chunk_tokens
+        self.chunks_to_host = chunks_to_host
+        self.carriers = target.family.chunk_carriers  # a NeMo-built family's own carriers of its layers' state
         # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
         self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
                                                                                     "logits_to_keep": 1}
@@ -184,21 +186,26 @@ class TargetForward:
             self.model(input_ids=torch.zeros(1, 8, dtype=input_ids.dtype, device=input_ids.device),
                        **self.forward_kwargs)
         self.hooks.reset()
-        if self.forwards_for(input_ids.shape[1]) > 1:
-            return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs)
+        chunked = self.forwards_for(input_ids.shape[1]) > 1
+        self.hooks.to_host = chunked and self.chunks_to_host
+        if chunked:
+            return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs,
+                                     carriers=self.carriers)
         return self.model(**inputs, **self.forward_kwargs)
 
 
 @contextmanager
 def target_forward(model: torch.nn.Module, target: TargetInfo, layer_ids: list[int], *,
-                   pre_norm_last: bool, chunk_tokens: int | None = None) -> Iterator[TargetForward]:
+                   pre_norm_last: bool, chunk_tokens: int | None = None,
+                   chunks_to_host: bool = False) -> Iterator[TargetForward]:
     """Hooks registered for ``layer_ids`` (removed on exit, errors included) under ``torch.no_grad``; rows longer
-    than ``chunk_tokens`` are forwarded in chunks (:mod:`ds_capture.capture.chunked`).
+    than ``chunk_tokens`` are forwarded in chunks (:mod:`ds_capture.capture.chunked`), and with ``chunks_to_host``
+    (``run``) each chunk's captures leave the device as the chunk runs (the cache kinds take host tensors).
 
     ``no_grad``, not ``inference_mode``: gloo collectives fail inside inference mode (DESIGN §6)."""
     with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers,
                                                 pre_norm_last=pre_norm_last) as hooks:
-        yield TargetForward(model, target, hooks, chunk_tokens=chunk_tokens)
+        yield TargetForward(model, target, hooks, chunk_tokens=chunk_tokens, chunks_to_host=chunks_to_host)
 
 
 # What gloo / NCCL say when a peer process died under a collective.

@@ -12,7 +12,9 @@ Llama 4's chunked local attention; the index keys of DSA indexers (GLM-5, DeepSe
 is then taken over its whole causal prefix; DeepSeek-V4's compressor buffers; the recurrent and convolution
 state of Gated DeltaNet and KDA layers (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, GLM-5-Next). The family declares
 as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks) and which
-families carry nothing yet (:attr:`Family.chunk_refusal`: NeMo's classes take no cache).
+families carry nothing yet (:attr:`Family.chunk_refusal`). NeMo's classes take no cache: a NeMo-built family
+declares one carrier per layer kind (:attr:`Family.chunk_carriers`), which :func:`carried_state` puts in front of
+NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`).
 
 Every captured tensor equals the whole row's up to float summation order (fp32: within 1e-5 of the row maximum on
 every family's tiny target, ``tests/unit/test_chunked_prefill.py``); activations are those of one chunk against
@@ -21,7 +23,8 @@ its prefix, so memory grows with the row only through the carried state and the 
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -56,13 +59,16 @@ def resolve_chunk_tokens(setting: int | str, family: Family, seq_length: int, *,
 
 
 def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
-                      forward_kwargs: dict[str, Any]) -> Any:
+                      forward_kwargs: dict[str, Any], *, carriers: Mapping[str, str] | None = None) -> Any:
     """The last chunk's output of ``model`` over ``inputs`` forwarded ``chunk_tokens`` at a time, in order.
 
     Forward hooks fire once per chunk, in order (the capture concatenates what they saw). The cache the model
     builds on the first chunk carries each layer's state to the next and is dropped with the row: the output
     keeps none of it. ``attention_mask`` (a client's, serve) covers the prefix and the chunk, as a cache expects.
-    Collective for sharded engines: every rank forwards the same chunks (rows are padded to one length)."""
+    Collective for sharded engines: every rank forwards the same chunks (rows are padded to one length).
+    ``carriers``: the family's :attr:`Family.chunk_carriers` (a NeMo-built target): they carry the state instead."""
+    if carriers:
+        return _forward_with_carriers(model, inputs, chunk_tokens, forward_kwargs, carriers)
     input_ids = inputs["input_ids"]
     kwargs = {**forward_kwargs, "use_cache": True}
     cache, output = None, None
@@ -74,4 +80,49 @@ def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
         output = model(**chunk, cache=cache, **kwargs)  # (transformers 5.24 renamed past_key_values to cache)
         cache = output.cache
     output.cache = None  # the carried state goes with the row
+    return output
+
+
+@contextmanager
+def carried_state(model: torch.nn.Module, carriers: Mapping[str, str]) -> Iterator[list[Any]]:
+    """For one row's chunks: every module of ``model`` whose class ``carriers`` names forwards through a fresh
+    carrier of its kind (``carrier_class(module).forward``), which holds that layer's state from chunk to chunk;
+    yields the carriers. The modules' own forwards are back on exit, errors included, and the carried state goes
+    with the carriers."""
+    from ds_capture.target.nemo_config import resolve
+
+    kinds = {name: resolve(path) for name, path in carriers.items()}
+    installed, held = [], []
+    try:
+        for module in model.modules():
+            kind = kinds.get(type(module).__name__)
+            if kind is not None:
+                held.append(kind(module))
+                module.forward = held[-1].forward  # an instance attribute: nn.Module.__call__ runs it, hooks too
+                installed.append(module)
+        assert installed, f"no module of {sorted(kinds)} in {type(model).__name__}: Family.chunk_carriers is stale"
+        yield held
+    finally:
+        for module in installed:
+            del module.forward
+
+
+def _forward_with_carriers(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
+                           forward_kwargs: dict[str, Any], carriers: Mapping[str, str]) -> Any:
+    """The chunks of a NeMo-built target, its layer kinds' state carried by ``carriers``; the last chunk's output.
+
+    The chunks are forwarded without a mask: a right-padded row's content never sees its padding (causal), as in
+    :meth:`ds_capture.runner.PlannedBatch.model_inputs`; a client's mask (serve) with padding before content is
+    refused, as the carriers keep no per-row holes."""
+    input_ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise CaptureError(
+            "capture.chunked_prefill: a row of this request has padding before its content (attention_mask 0 then "
+            "1), which the chunked prefill of a NeMo-built target cannot carry. Send right-padded rows (content "
+            "first), or set capture.chunked_prefill: off.")
+    output = None
+    with carried_state(model, carriers):
+        for start in range(0, input_ids.shape[1], chunk_tokens):
+            output = model(input_ids=input_ids[:, start:start + chunk_tokens], **forward_kwargs)
     return output

@@ -83,16 +83,23 @@ class LayerCapture:
         # in order under chunked prefill (concatenated along the sequence by collect).
         self._seen: dict[int, list[torch.Tensor]] = {}
         self._last: list[torch.Tensor] = []
+        self.to_host = False
+        """Each forward's captures leave the device as they are recorded (a chunked row's, in ``run``: what grows
+        with the row is then on the host; ``collect`` returns host tensors)."""
 
     def reset(self) -> None:
         self._seen.clear()
         self._last = []
 
     def _record(self, layer_id: int, hidden: torch.Tensor) -> None:
-        self._seen.setdefault(layer_id, []).append(hidden.detach())
+        self._seen.setdefault(layer_id, []).append(self._kept(hidden))
 
     def _record_last(self, hidden: torch.Tensor) -> None:
-        self._last.append(hidden.detach())
+        self._last.append(self._kept(hidden))
+
+    def _kept(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The same values either way: a copy to the host changes no bit (a no-op on a CPU run).
+        return hidden.detach().cpu() if self.to_host else hidden.detach()
 
     def collect(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(target_hidden_states [B, S, H*k], target_last_hidden_states [B, S, H])`` in ``dtype``."""

@@ -180,7 +180,9 @@ class ReferenceOrderExpertParallelMoE(nn.Module):
 
     def _forward_reference_order(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                                  topk_weight: torch.Tensor) -> torch.Tensor:
-        return self.experts.forward_reference_order(hidden_states, topk_ids, topk_weight, self._situ)
+        # SiTU's function, not the module's call: it runs once per local expert that received rows, which differs
+        # between ranks (a chunk vs a filler), and ZeRO-3 requires every rank to trace the same module calls.
+        return self.experts.forward_reference_order(hidden_states, topk_ids, topk_weight, self._situ.forward)
 
 
 _EP_CLASSES: dict[tuple[type, type], type] = {}

@@ -300,12 +300,15 @@ class Sizer:
             bias_bytes=family.attention_bias(text, B, S) if family.attention_bias else 0,
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
             chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row
-            if chunk_tokens and chunk_tokens < S else 0)
+            if chunk_tokens and chunk_tokens < S else 0,
+            carried_transient_bytes=B * self.carried_state().transient_bytes if chunk_tokens and chunk_tokens < S
+            else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
-        capture = mm.capture_terms(micro_batch_size=B, seq_length=S, hidden_size=H,
-                                   num_held=sum(1 for i in self.layer_ids if i != num_layers - 1),
-                                   num_layer_ids=len(self.layer_ids), compute_bytes=c, cache_bytes=cb).bytes
+        capture_term, capture_host = mm.capture_terms(
+            micro_batch_size=B, seq_length=S, hidden_size=H, num_held=sum(1 for i in self.layer_ids if i != num_layers - 1),
+            num_layer_ids=len(self.layer_ids), compute_bytes=c, cache_bytes=cb, chunk_tokens=chunk_tokens)
+        capture = capture_term.bytes
         micro_batch = mm.micro_batch_bytes(micro_batch_size=B, seq_length=S, hidden_size=H,
                                            num_layer_ids=len(self.layer_ids), cache_bytes=cb)
         # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B).
@@ -330,7 +333,7 @@ class Sizer:
                 capture_bytes=capture, writer_device_bytes=device.bytes, writer_host_bytes=host.bytes,
                 fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
                 gather_name="ZeRO-3 gathered modules" if zero3 else "FSDP2 all-gathered layers",
-                host_bytes=host.bytes + (target_weights if rank == 0 else 0)))
+                host_bytes=host.bytes + capture_host + (target_weights if rank == 0 else 0)))
         return estimates, largest, stack
 
     def carried_state(self) -> CarriedState:

@@ -137,7 +137,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
-                             carried_bytes: int = 0) -> tuple[list[Term], Term]:
+                             carried_bytes: int = 0, carried_transient_bytes: int = 0) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -150,7 +150,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
     row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
-    (:mod:`ds_capture.sizing.carried_state`).
+    (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
+    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -188,6 +189,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     if indexer_bytes:
         note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
     attention += max(scores, indexer_bytes)
+    if Q < S and carried_transient_bytes:
+        attention += carried_transient_bytes
+        note += f" + the prefix's keys and values expanded from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
     blocks = [Term("attention block", attention, note),
               Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
                    "2 x every MLP projection's output on this rank")]
@@ -216,14 +220,22 @@ def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_
 
 
 def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_held: int, num_layer_ids: int,
-                  compute_bytes: int, cache_bytes: int) -> Term:
-    """The current forward's captures on the device: the hooked layers' outputs held until the forward ends
-    (``num_held`` of them, in the compute dtype) and the collected ``[B, S, H*k]`` + ``[B, S, H]`` in the cache dtype."""
+                  compute_bytes: int, cache_bytes: int, chunk_tokens: int | None = None) -> tuple[Term, int]:
+    """(the current forward's captures on the device, on the host).
+
+    Whole rows: the hooked layers' outputs held until the forward ends (``num_held`` of them, in the compute dtype)
+    and the collected ``[B, S, H*k]`` + ``[B, S, H]`` in the cache dtype, all on the device. Chunked (``run``): each
+    chunk's captures leave the device as they are recorded, so the device holds one chunk's hooked outputs at most
+    and the row's (held and collected) are on the host."""
     T = micro_batch_size * seq_length
     held = num_held * T * hidden_size * compute_bytes
     collected = (num_layer_ids + 1) * T * hidden_size * cache_bytes
+    if chunk_tokens and chunk_tokens < seq_length:
+        return (Term("capture buffers", num_held * micro_batch_size * chunk_tokens * hidden_size * compute_bytes,
+                     f"one chunk's {num_held} hooked layer outputs (the row's leave the device per chunk)"),
+                held + collected)
     return Term("capture buffers", held + collected,
-                f"{num_held} hooked layer outputs held during the forward + the collected states")
+                f"{num_held} hooked layer outputs held during the forward + the collected states"), 0
 
 
 def micro_batch_bytes(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_layer_ids: int,

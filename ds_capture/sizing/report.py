@@ -14,6 +14,10 @@ _SHORT = {"routed experts": "experts", "attention": "attn", "dense/shared MLP": 
           "embeddings + lm_head": "embed+head", "other": "other"}
 
 
+_CARRIED_HOW = {"counted": "a meta forward's cache", "bound": "keys and values of every layer, an upper bound",
+                "declared": "the family's carriers, from their declared shapes"}
+
+
 def format_report(report: Any) -> str:
     t, layout = report.target, report.layout
     lines = [
@@ -26,8 +30,7 @@ def format_report(report: Any) -> str:
         f"  budget: {_gib(report.budget_bytes)} per GPU ({report.budget_source})",
         *([f"  chunked prefill: rows forwarded in chunks of {report.chunk_tokens} tokens; each row's carried state "
            f"{_gib(report.carried_state['bytes_per_row'])} per rank at S ({report.carried_state['how']}: "
-           + ("a meta forward's cache" if report.carried_state["how"] == "counted"
-              else "keys and values of every layer, an upper bound") + ")"] if report.chunk_tokens else []),
+           + _CARRIED_HOW[report.carried_state["how"]] + ")"] if report.chunk_tokens else []),
         "",
         "  per rank, GiB (parameters counted from the sharded meta model; activations are an estimate):",
         "  " + f"{'ranks':>24} " + " ".join(f"{h:>10}" for h in [*(_SHORT[k] for k in KINDS), "params", "activ.", "capture",

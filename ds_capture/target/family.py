@@ -138,6 +138,11 @@ class Family:
     chunk_refusal: str = ""
     """Non-empty: the family's forward carries no state from one chunk to the next yet, so ``chunked_prefill`` with
     a chunk shorter than the row is refused (the reason); ``auto`` forwards whole rows."""
+    chunk_carriers: Mapping[str, str] = field(default_factory=dict)
+    """A NeMo-built family's chunked prefill (its classes take no cache): class name of a layer-kind module in
+    NeMo's model -> ``module:Class`` of the carrier whose ``forward`` replaces that module's for one row's chunks
+    and carries its state (:mod:`ds_capture.target.nemo_kda_mla_chunks`; installed by
+    :func:`ds_capture.capture.chunked.carried_state`). Empty: transformers' cache layers carry the state."""
 
     extra: Mapping[str, Any] = field(default_factory=dict)
 

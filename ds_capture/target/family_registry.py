@@ -55,6 +55,7 @@ _V41_EAGLE3 = (
     "(NeMo's DSpark wrapper captures this family's own feature points)."
 )
 _NEMO = "nemo_automodel.components.models"
+_KDA_MLA_CHUNKS = "ds_capture.target.nemo_kda_mla_chunks"
 _NEMO_SDPA = "NeMo's class is built with its torch backend, BackendConfig(attn='sdpa', experts='torch')"
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
@@ -264,8 +265,11 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="language_model.model.embed_tokens.weight",
             lm_head_weight_key="language_model.lm_head.weight", moe_block="mlp", num_experts_key="num_experts",
             attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
-            chunk_refusal=_NEMO_NO_CHUNKS.format(model_type="kimi_k3", cls="KimiK3ForCausalLM",
-                                                 state="KDA recurrent and convolution state, MLA latent KV"),
+            # Chunked prefill: KDA's short-convolution tails and recurrent state, MLA's latent KV, carried around
+            # NeMo's own modules (its class takes no cache); KDA computes in 64-token blocks.
+            chunk_carriers={"KimiDeltaAttention": f"{_KDA_MLA_CHUNKS}:KdaCarrier",
+                            "KimiMLAAttention": f"{_KDA_MLA_CHUNKS}:LatentKvCarrier"},
+            chunk_multiple=_LINEAR_ATTENTION_BLOCK,
             supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="kimi_k3", cls="KimiK3ForCausalLM",
                                                             what="KDA short convolutions and gates, MLA"),
         ),

@@ -170,16 +170,20 @@ def test_chunk_as_long_as_the_row_is_the_whole_row_and_off_is_unchanged(family_t
 
 
 def test_nemo_families_refuse_a_chunk_before_loading():
-    family = get_family("kimi_k3")
+    family = get_family("deepseek_v41")
     with pytest.raises(CaptureError) as caught:
         resolve_chunk_tokens(1024, family, 4096, source="r.yaml")
     assert str(caught.value) == (
-        "r.yaml: `capture.chunked_prefill` 1024: model_type 'kimi_k3' is built by NeMo AutoModel's KimiK3ForCausalLM, "
-        "whose forward takes no cache, so nothing carries its KDA recurrent and convolution state, MLA latent KV from "
-        "one chunk to the next yet: it would compute every chunk as if the row began there. Set "
-        "capture.chunked_prefill: off (or auto, which forwards whole rows for this family).")
+        "r.yaml: `capture.chunked_prefill` 1024: model_type 'deepseek_v41' is built by NeMo AutoModel's "
+        "DeepseekV41ForCausalLM, whose forward takes no cache, so nothing carries its compressed KV, window tail, "
+        "index keys and Engram n-gram context from one chunk to the next yet: it would compute every chunk as if the "
+        "row began there. Set capture.chunked_prefill: off (or auto, which forwards whole rows for this family).")
     assert resolve_chunk_tokens("auto", family, 4096, source="r.yaml") is None
-    assert resolve_chunk_tokens(4096, get_family("deepseek_v41"), 4096, source="r.yaml") is None
+    assert resolve_chunk_tokens(4096, family, 4096, source="r.yaml") is None
+    # Kimi K3 carries its KDA and MLA state (tests/unit/test_chunked_prefill_nemo.py), in KDA's 64-token blocks.
+    assert resolve_chunk_tokens(1024, get_family("kimi_k3"), 4096, source="r.yaml") == 1024
+    with pytest.raises(CaptureError, match="model_type 'kimi_k3' takes chunks that are a multiple of 64 tokens"):
+        resolve_chunk_tokens(1000, get_family("kimi_k3"), 4096, source="r.yaml")
 
 
 def test_a_chunk_that_splits_linear_attention_blocks_is_refused():

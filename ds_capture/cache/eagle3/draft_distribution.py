@@ -138,8 +138,9 @@ class DraftDistribution:
         self._filler = {name: value.cpu() for name, value in self._encode(uniform).items()}
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[..., V] logits of hidden states [..., H], as the model's own lm_head computes them."""
-        return F.linear(last, self.lm_head)
+        """[..., V] logits of hidden states [..., H], as the model's own lm_head computes them (on its device: a
+        chunked row's states reach the kind on the host)."""
+        return F.linear(last.to(self.lm_head.device), self.lm_head)
 
     def compute(self, last: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor,
                 seq_length: int) -> dict[str, torch.Tensor]:

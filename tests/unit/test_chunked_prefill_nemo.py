@@ -1,0 +1,162 @@
+"""Chunked prefill of Kimi K3 (NeMo AutoModel 0.7.0's class, no cache of its own): the carriers of
+:mod:`ds_capture.target.nemo_kda_mla_chunks` make a chunked cache equal the whole-row cache.
+
+Target: the tiny K3 release (tests/nemo_k3_release.py: KDA, KDA, KDA, MLA with attention residuals, latent MoE,
+MXFP4 experts) with the demo's tokenizer, fp32 on CPU (KDA through :mod:`ds_capture.target.nemo_fla`'s token
+recurrence). Rows of ~2,048 tokens (S = 2,048, demo conversations joined). Against the whole-row cache (``off``):
+``input_ids`` and the masks byte for byte, every captured state within 1e-5 of its row's maximum, for chunks of 256
+and 320 (320 does not divide S: the last chunk is 128 tokens). Measured: worst 4e-7.
+CI: one row, DSpark, chunk 320 (~10 s); with ``--full``: two rows, both chunks, both cache kinds.
+Also: plan's carried state (the carriers' declared shapes on the meta model) equals what a real chunked forward's
+carriers hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nemo_automodel")
+
+from ds_capture.demo import demo_tokenizer  # noqa: E402
+from ds_capture.recipe.config import parse_config  # noqa: E402
+from ds_capture.runner import run_capture  # noqa: E402
+from tests import nemo_k3_release  # noqa: E402
+from tests.unit.test_chunked_prefill import long_rows  # noqa: E402
+
+SEQ_LENGTH = 2048
+
+
+@pytest.fixture(scope="module")
+def k3_release(tmp_path_factory) -> Path:
+    return nemo_k3_release.write_tiny_k3_release(tmp_path_factory.mktemp("k3_chunks") / "k3", seed=0,
+                                                 tokenizer=demo_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory) -> Path:
+    return long_rows(tmp_path_factory.mktemp("k3_chunk_data") / "long.jsonl", 2)
+
+
+def capture(release: Path, data: Path, out: Path, chunked_prefill, *, num_rows: int, kind: str = "dspark") -> dict:
+    from tests.eagle3_support import load_cache
+
+    args = dict(target_model_name_or_path=str(release), train_data_path=str(data), train_split=f"train[:{num_rows}]",
+                cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=num_rows,
+                cache_shard_size=num_rows, cache_dtype="fp32")
+    args.update(aux_layer_ids=[0, 1, 2], draft_vocab_size=64) if kind == "eagle3" else args.update(
+        target_layer_ids=[-1, 0, 1, 2])
+    cfg = parse_config({"cache_kind": kind, "recipe_args": args,
+                        "capture": {"compute_dtype": "fp32", "chunked_prefill": chunked_prefill}},
+                       source=str(out) + ".yaml", base_dir=out.parent)
+    run_capture(cfg, show_progress=False)
+    return load_cache(out)
+
+
+def assert_equal_caches(ours: dict, whole: dict, label: str) -> float:
+    """Integer tensors byte for byte; every float tensor within 1e-5 of its row's maximum. Returns the worst."""
+    assert sorted(ours) == sorted(whole), label
+    worst = 0.0
+    for key, expected in whole.items():
+        if expected.is_floating_point():
+            for a, b in zip(ours[key], expected):
+                worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item())
+        else:
+            assert torch.equal(ours[key], expected), (label, key)
+    print(f"[chunked prefill] kimi_k3 {label}: worst {worst:.2e} of the row maximum")
+    assert worst <= 1e-5, (label, worst)
+    return worst
+
+
+def test_k3_chunked_dspark_cache_equals_the_whole_row(k3_release, long_data, tmp_path):
+    whole = capture(k3_release, long_data, tmp_path / "whole", "off", num_rows=1)
+    assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the row is long: supervised tokens past S/2"
+    assert_equal_caches(capture(k3_release, long_data, tmp_path / "c320", 320, num_rows=1), whole, "dspark 320")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_k3_chunked_caches_of_both_kinds_equal_the_whole_rows(k3_release, long_data, tmp_path, kind):
+    whole = capture(k3_release, long_data, tmp_path / "whole", "off", num_rows=2, kind=kind)
+    for chunk in (256, 320):
+        ours = capture(k3_release, long_data, tmp_path / f"c{chunk}", chunk, num_rows=2, kind=kind)
+        assert_equal_caches(ours, whole, f"{kind} {chunk}")
+
+
+def test_plan_counts_the_state_k3s_carriers_hold(k3_release):
+    """plan's carried state at S (the carriers' declared shapes on the meta model) is what the carriers of a real
+    chunked forward hold after its last chunk, to the byte; one KDA layer's state does not grow with S."""
+    from ds_capture.capture.chunked import carried_state
+    from ds_capture.sizing.carried_state import carried_state_bytes
+    from ds_capture.target.families import read_target_info
+
+    target = read_target_info(k3_release)
+    seq_length = 384
+    counted = carried_state_bytes(target, seq_length, 4)
+    assert counted.how == "declared" and counted.transient_bytes > 0
+    model = nemo_k3_release.nemo_reference(k3_release, torch.float32)
+    input_ids = torch.randint(3, 100, (1, seq_length))
+    with torch.no_grad(), carried_state(model, target.family.chunk_carriers) as carriers:
+        for start in range(0, seq_length, 128):
+            model(input_ids=input_ids[:, start:start + 128], logits_to_keep=1)
+        state = {c: [t for t in (*getattr(c, "conv_tails", {}).values(), getattr(c, "recurrent", None),
+                                 getattr(c, "latent", None)) if t is not None] for c in carriers}
+    real = sum(t.numel() * t.element_size() for tensors in state.values() for t in tensors)
+    latent = sum(c.latent.numel() * c.latent.element_size() for c in carriers if hasattr(c, "latent"))
+    assert sorted(type(c).__name__ for c in carriers) == ["KdaCarrier"] * 3 + ["LatentKvCarrier"]
+    assert counted.bytes_per_row == real, (counted, real)
+    # Only MLA's latent grows with the row: twice the row, twice the latent, the same KDA state.
+    assert carried_state_bytes(target, 2 * seq_length, 4).bytes_per_row == real + latent
+
+
+def test_a_mask_with_padding_before_content_is_refused_and_right_padding_is_dropped():
+    """A client's mask (serve) under a NeMo family's chunks: right padding is dropped (content never sees it), padding
+    before content is refused before any chunk runs."""
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.errors import CaptureError
+
+    ids = torch.ones(2, 8, dtype=torch.int64)
+    left = torch.tensor([[1] * 8, [0, 0] + [1] * 6])
+    with pytest.raises(CaptureError) as caught:
+        forward_in_chunks(torch.nn.Identity(), {"input_ids": ids, "attention_mask": left}, 4, {},
+                          carriers={"Identity": "builtins:object"})
+    assert str(caught.value) == (
+        "capture.chunked_prefill: a row of this request has padding before its content (attention_mask 0 then 1), "
+        "which the chunked prefill of a NeMo-built target cannot carry. Send right-padded rows (content first), or "
+        "set capture.chunked_prefill: off.")
+    model = _Recorder()
+    right = torch.tensor([[1] * 8, [1] * 6 + [0, 0]])
+    forward_in_chunks(model, {"input_ids": ids, "attention_mask": right}, 4, {"logits_to_keep": 1},
+                      carriers={"_Inner": f"{__name__}:_CountingCarrier"})
+    # Two chunks of 4, without the mask, each through a carrier of the row; the module's own forward is back after.
+    assert model.seen == [(4, ["logits_to_keep"]), (4, ["logits_to_keep"])]
+    assert _CountingCarrier.chunks_seen == [1, 2] and "forward" not in vars(model.inner)
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, x):
+        raise AssertionError("the carrier forwards this module during the chunks")
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.seen = _Inner(), []
+
+    def forward(self, input_ids, **kwargs):
+        self.seen.append((input_ids.shape[1], sorted(kwargs)))
+        return self.inner(input_ids)
+
+
+class _CountingCarrier:
+    chunks_seen: list[int] = []
+
+    def __init__(self, module) -> None:
+        self.chunks = 0
+
+    def forward(self, x):
+        self.chunks += 1
+        _CountingCarrier.chunks_seen.append(self.chunks)
+        return x
