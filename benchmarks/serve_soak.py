@@ -348,12 +348,22 @@ class RssSampler:
         self._stop.set()
         self._thread.join(5)
         after = [s for s in self.samples if s["t_s"] >= warm_up_s]
-        growth = None
-        if len(after) >= 2:
-            growth = [round(100 * (last - first) / first, 2) if first else None
-                      for first, last in zip(after[0]["rss_mib"], after[-1]["rss_mib"])]
         return {"interval_s": self.interval_s, "phases_at_s": self.marks, "samples": self.samples,
-                "growth_after_warm_up_percent": growth, "warm_up_s": warm_up_s}
+                **rss_growth(self.samples, warm_up_s), "warm_up_s": warm_up_s}
+
+
+def rss_growth(samples: list[dict], warm_up_s: float) -> dict:
+    """Each rank's RSS growth after warm-up, in percent of the first sample after it: to the last sample (the
+    service quiet again) and to the largest (the peak under chaos; the goal is judged on this one)."""
+    after = [s for s in samples if s["t_s"] >= warm_up_s]
+    if len(after) < 2:
+        return {"growth_after_warm_up_percent": None, "peak_growth_after_warm_up_percent": None}
+    firsts = after[0]["rss_mib"]
+    to_last = [round(100 * (last - first) / first, 2) if first else None
+               for first, last in zip(firsts, after[-1]["rss_mib"])]
+    peaks = [round(100 * (max(s["rss_mib"][rank] for s in after) - first) / first, 2) if first else None
+             for rank, first in enumerate(firsts)]
+    return {"growth_after_warm_up_percent": to_last, "peak_growth_after_warm_up_percent": peaks}
 
 
 def soak_layout(args, layout: str, target: Path, work: Path) -> dict:

@@ -48,8 +48,11 @@ from ds_capture.session import (
     resolve_compute_dtype,
     target_forward,
 )
+from ds_capture.target.checkpoint_reads import release_freed_memory
 
 _LOG = logging.getLogger("ds_capture")
+_TRIM_EVERY_S = 5.0  # how often a serving rank hands freed heap pages back (release_freed_memory)
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -209,6 +212,7 @@ class _Lockstep:
     def run(self, stop: StopOnSignal) -> str:
         vote = StopVote(stop, lag=0)  # collective on a side group, every rank, every tick
         next_log = time.monotonic() + self.options.log_interval_s
+        next_trim = time.monotonic() + _TRIM_EVERY_S
         try:
             while True:
                 if vote.should_stop():
@@ -226,6 +230,9 @@ class _Lockstep:
                                  self.state.metrics.line())
                         next_log = time.monotonic() + self.options.log_interval_s
                 headers = self._gather_headers(header)  # every replica's, on every rank
+                if time.monotonic() >= next_trim:
+                    release_freed_memory()  # see its docstring: what the requests' tensors left behind
+                    next_trim = time.monotonic() + _TRIM_EVERY_S
                 exiting = any(other is not None and other[0] == "exit" for other in headers)
                 forwarding = [other is not None and other[0] == "forward" for other in headers]
                 if not any(forwarding):

@@ -105,7 +105,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
     ``owned`` gives the slice of a tensor this rank holds (absent: all of it; ``length`` 0: nothing); ``packed``
     names the destinations that keep the stored parts (a resident quantized stack's ``put``). Every
     read is one tensor mapped, sliced and copied; stacked experts are converted and placed one expert at a
-    time; freed heap pages go back to the OS as the reads go (:func:`_release_freed_memory`).
+    time; freed heap pages go back to the OS as the reads go (:func:`release_freed_memory`).
     """
     plan = _plan_reads(index, key_map, owned, packed)
     stats = LoadStats()
@@ -113,7 +113,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
     for path in sorted(plan.reads):
         for key, name, cut in plan.reads[path]:
             if read_since_trim >= _TRIM_EVERY_BYTES:
-                _release_freed_memory()
+                release_freed_memory()
                 read_since_trim = 0
             # One tensor mapped at a time: the pages a read touches count in RSS for as long as the file
             # stays mapped, so a file kept open would add up to its whole owned share to the peak.
@@ -129,7 +129,7 @@ def fill_from_checkpoint(index: dict[str, Path], key_map: KeyMap, destinations: 
             if tensor is not None:
                 _deliver(plan, key_map, destinations[name], key, name, tensor)
         stats.num_files += 1
-    _release_freed_memory()
+    release_freed_memory()
     assert not plan.pieces, f"incomplete converted tensors: {sorted(plan.pieces)}"
     return stats
 
@@ -169,13 +169,15 @@ def _deliver(plan: _ReadPlan, key_map: KeyMap, destination: torch.Tensor, key: s
     _copy_checked(destination, tensor, name, key)
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap pages freed by this file's reads back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
 
-    Every read is a short-lived copy (a slice, an expert's gate/up pieces and their fused stack). glibc serves
+    Here: every read is a short-lived copy (a slice, an expert's gate/up pieces and their fused stack). glibc serves
     them from its heap once they outgrow its mmap threshold and keeps the freed pages, fragmented between
     long-lived allocations: without this, ~0.06 of the checkpoint stayed resident on top of the parameters
-    (benchmarks/load_memory.py). Called every ``_TRIM_EVERY_BYTES`` read and at the end.
+    (benchmarks/load_memory.py). Called every ``_TRIM_EVERY_BYTES`` read and at the end. ``serve`` calls it
+    every few seconds: its requests' tensors of every shape, freed by several threads, leave glibc's per-thread
+    arenas fragmented, and a long-lived service's RSS crept up by ~1 MiB a minute without it.
     """
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
