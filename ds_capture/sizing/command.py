@@ -31,7 +31,8 @@ from ds_capture.parallel.resolve import layout_of
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.cache_size import cache_estimate
-from ds_capture.sizing.count import DTYPE_BYTES, Layout, Proposal, RankEstimate, Sizer
+from ds_capture.sizing.alternatives import Proposal, fitting_layouts
+from ds_capture.sizing.count import DTYPE_BYTES, Layout, RankEstimate, Sizer
 from ds_capture.sizing.session_plan import SessionPlan, resolve_session
 from ds_capture.sizing.supervision import Supervision, supervision_of
 from ds_capture.target.families import TargetInfo
@@ -186,7 +187,7 @@ def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gi
     )
     report.storage_alternatives = _storage_alternatives(sizer, layout, storage, chunk, budget)
     if suggest and not report.fits:
-        report.alternatives = sizer.fitting_layouts(layout, storage, budget, resolve=_layout_resolver(target))
+        report.alternatives = fitting_layouts(sizer, layout, storage, budget, resolve=_layout_resolver(target))
     return report
 
 

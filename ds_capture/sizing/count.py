@@ -1,8 +1,9 @@
 """The counting half of ``ds-capture plan``: the sharded meta model -> a tensor table -> every rank's memory.
 
-In:  the run config, the target, the compute dtype, a layout (engine, world, tp, ep, micro-batch).
-Out: :class:`Sizer.ranks` -> one :class:`RankEstimate` per rank (computed per distinct role, then expanded);
-     :meth:`Sizer.fitting_layouts` -> other layouts that fit the budget (the cache's size: :mod:`.cache_size`).
+In:  the run config, the target, the compute dtype, a resolved layout (sharding, world, tp, ep, micro-batch), and what
+     the session's cache kind and driver add: its hook semantics and its supervision (:mod:`.supervision`).
+Out: :class:`Sizer.ranks` -> one :class:`RankEstimate` per rank (computed per distinct role, then expanded); other
+     layouts that fit: :mod:`.alternatives`; the cache's size: :mod:`.cache_size`.
 
 Parameters (and buffers) are counted from the model the engines would build, on ``meta``: the DeepSpeed layout
 comes from :func:`~ds_capture.parallel.meta_layout.build_layout_on_meta` (the engine's EP, then DeepSpeed's own
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,18 +29,6 @@ from ds_capture.target.shard_spec import Member, Placement
 KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A layout's degrees before the run's checks resolve them (the engine and ZeRO stage as configured)."""
-
-    engine: str
-    world_size: int
-    tp_size: int
-    ep_size: int
-    micro_batch_size: int
-    zero_stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,12 +61,6 @@ class Layout:
         """The resolved :class:`~ds_capture.parallel.layout.ParallelLayout` as plan sizes it."""
         return Layout(engine, parallel.world_size, parallel.tp_size, parallel.ep_size, micro_batch_size,
                       sharding=parallel.sharding, zero_stage=parallel.zero_stage)
-
-    def proposal(self, **degrees: int) -> Proposal:
-        """This layout's engine and stage at other degrees (and micro-batch), to be resolved."""
-        here = {"world_size": self.world_size, "tp_size": self.tp_size, "ep_size": self.ep_size,
-                "micro_batch_size": self.micro_batch_size}
-        return Proposal(self.engine, zero_stage=self.zero_stage, **{**here, **degrees})
 
     def member(self, rank: int) -> Member:
         """``rank``'s index in each group of this layout (TP groups consecutive, EP groups consecutive)."""
@@ -218,7 +201,8 @@ class Sizer:
         """The tensor table of one layout; built once per process (a meta model takes about a second)."""
         key = self._key(sharding, tp_size, ep_size, world_size)
         if key not in _TABLES:
-            _TABLES[key] = self._build_table(sharding, tp_size, ep_size, self._tables_world(sharding, world_size, ep_size))
+            tables_world = self._tables_world(sharding, world_size, ep_size)
+            _TABLES[key] = self._build_table(sharding, tp_size, ep_size, tables_world)
             self.num_built += 1
         return _TABLES[key]
 
@@ -453,74 +437,3 @@ class Sizer:
         forward = max((chain(m) for m in own), default=0.0)
         load = max(own.values(), default=0.0) + max(blocks.values(), default=0.0)
         return max(forward, load)
-
-    # -- other layouts -------------------------------------------------------------------------------------------
-    def fitting_layouts(self, layout: Layout, storage: mm.ExpertStorage, budget: float,
-                        resolve: Callable[[Proposal], Layout], limit: int = 3,
-                        max_builds: int = 6) -> list[dict[str, Any]]:
-        """Layouts that fit: first a smaller micro-batch here, then larger ep (and other tp) on 1x, 2x, 4x, 8x the
-        world, each resolved by ``resolve`` (the run's own checks; a refused one is skipped). At most
-        ``max_builds`` new meta models are built (each takes about a second)."""
-        found: list[dict[str, Any]] = []
-        now = max(self.ranks(layout, storage)[0], key=lambda r: r.peak_bytes)
-        experts_now = now.param_bytes_by_kind["routed experts"]
-        for proposal in self._proposals(layout):
-            if len(found) >= limit:
-                break
-            # One per world, and none that only repeats a found layout's degrees on more ranks.
-            if any((f["world_size"], f["micro_batch_size"]) == (proposal.world_size, proposal.micro_batch_size)
-                   or (f["tp_size"], f["ep_size"], f["micro_batch_size"])
-                   == (proposal.tp_size, proposal.ep_size, proposal.micro_batch_size) for f in found):
-                continue
-            # TP never shards the routed experts: a proposal whose experts, reserve and capture buffers (linear in
-            # the micro-batch) already exceed the budget is skipped without building its model.
-            floor = (experts_now * layout.ep_size / proposal.ep_size + mm.RUNTIME_RESERVE_BYTES
-                     + now.capture_bytes * proposal.micro_batch_size / layout.micro_batch_size)
-            if floor > budget:
-                continue
-            try:
-                candidate = resolve(proposal)
-                if (not self.has_table(candidate.sharding, candidate.tp_size, candidate.ep_size,
-                                       candidate.world_size) and self.num_built >= max_builds):
-                    continue
-                worst = max(self.ranks(candidate, storage)[0], key=lambda r: r.peak_bytes)
-            except CaptureError:
-                continue
-            if worst.peak_bytes <= budget:
-                found.append({"layout": candidate.describe(), "engine": candidate.engine,
-                              "world_size": candidate.world_size, "tp_size": candidate.tp_size,
-                              "ep_size": candidate.ep_size, "micro_batch_size": candidate.micro_batch_size,
-                              "peak_bytes": int(worst.peak_bytes)})
-        return found
-
-    def _proposals(self, layout: Layout) -> list[Proposal]:
-        """A smaller micro-batch here; then this engine at other degrees on 1x, 2x, 4x and 8x the world (at most 512
-        ranks): a partitioned layout (FSDP2, ZeRO-3) keeps tp 1 and its experts over every rank; otherwise, keeping
-        the recipe's tp before trying others, every larger ep."""
-        family, target = self.target.family, self.target
-        out = [layout.proposal(micro_batch_size=b) for b in _halvings(layout.micro_batch_size)]
-        worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
-        if layout.partitioned:
-            over_world = layout.ep_size > 1
-            return out + [layout.proposal(world_size=w, tp_size=1, ep_size=w if over_world else 1) for w in worlds[1:]
-                          if not over_world or (target.num_experts and target.num_experts % w == 0)]
-        tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size] if family.supports_tp else [])
-        for tp in tps:
-            for world in (w for w in worlds if w % tp == 0):
-                eps = [1]
-                if family.is_moe and family.supports_ep and target.num_experts:
-                    eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
-                out.extend(layout.proposal(world_size=world, tp_size=tp, ep_size=ep) for ep in eps)
-        return [p for p in out if p != layout.proposal()]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _halvings(n: int) -> list[int]:
-    out = []
-    while n > 1:
-        n //= 2
-        out.append(n)
-    return out
