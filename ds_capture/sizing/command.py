@@ -1,13 +1,15 @@
-"""``ds-capture plan``: what one capture run needs on every rank, from the target's ``config.json`` alone.
+"""``ds-capture plan``: what one capture run (or ``serve``) needs on every rank, from the target's ``config.json`` alone.
 
-In:  a validated :class:`~ds_capture.recipe.config.RunConfig`, a world size and a GPU budget. Nothing else is read but
-     the target's ``config.json`` (no weights, no tokenizer needed) and, when it exists, the dataset (to count
-     its rows and estimate their lengths).
+In:  a validated :class:`~ds_capture.recipe.config.RunConfig`, a world size and a GPU budget, or the session's own
+     :class:`~ds_capture.sizing.session_plan.SessionPlan` (the cache kind's layer ids, the resolved layout, the
+     driver). Nothing else is read but the target's ``config.json`` (no weights, no tokenizer needed) and, when it
+     exists, the dataset (to count its rows and estimate their lengths).
 Out: a :class:`PlanReport`: per rank, parameter bytes by kind (counted from the real-size model built on
      ``meta`` and shaped by the engines' own layout functions, :mod:`ds_capture.parallel.meta_layout`), the
      forward's activation peak (an estimate, :mod:`ds_capture.sizing.memory_model`, with its largest term named), the
-     capture buffers, the writer's device and host memory, the total against the budget, and the cache's size.
-     ``run`` calls :func:`refuse_if_not_fitting` before any weight loads.
+     capture buffers, the writer's device and host memory, an EAGLE-3 supervising rank's lm_head and logits chunk
+     (:mod:`.supervision`), the total against the budget, and the cache's size (none for ``serve``).
+     The session (``run``, ``serve``) calls :func:`refuse_if_not_fitting` on its SessionPlan before any weight loads.
 
 Ranks are computed per distinct role and expanded: under the DeepSpeed engine a rank's parameters depend only
 on its TP rank (every EP rank holds E/ep experts), its writer memory on whether it is its TP group's rank 0;
