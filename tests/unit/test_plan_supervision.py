@@ -33,7 +33,7 @@ def _cfg(**recipe) -> object:
 
 
 def test_plan_of_an_eagle3_run_counts_aux_layers_lm_head_and_logits_chunk():
-    report = plan_capture(_cfg(), world_size=16, gpu_memory_gib=79.6, suggest=False, count_dataset=False)
+    report = plan_capture(_cfg(), world_size=16, gpu_memory_gib=1000, suggest=False, count_dataset=False)
     assert report.layer_ids == [1, 29, 57]  # NeMo's aux layers [1, L//2 - 1, L - 4], not DSpark's target layers
     lm_head = V * H * BF16
     positions = (64 * 2**20) // (V * 4)  # chunk_positions(V): 129 positions
@@ -50,7 +50,7 @@ def test_plan_of_an_eagle3_run_counts_aux_layers_lm_head_and_logits_chunk():
     # final state collected in the compute dtype.
     assert report.ranks[0].capture_bytes == (3 + 4) * B * S * H * BF16
     # A draft vocabulary shrinks the softmax's columns, not the logits.
-    small = plan_capture(_cfg(draft_vocab_size=32000), world_size=16, gpu_memory_gib=79.6, suggest=False,
+    small = plan_capture(_cfg(draft_vocab_size=32000), world_size=16, gpu_memory_gib=1000, suggest=False,
                          count_dataset=False).to_dict()["supervision"]
     assert small["logits_bytes"] == positions * (V * BF16 + 32000 * 8) + B * S * H * BF16
     # DSpark supervises nothing.
@@ -69,7 +69,7 @@ def _raw_dspark() -> dict:
 def test_plan_serve_sizes_max_batch_rows_and_the_listeners_supervision(tmp_path, capsys):
     recipe = tmp_path / "eagle3.yaml"
     recipe.write_text(json.dumps(_raw_dspark() | {"cache_kind": "eagle3"}))
-    argv = ["plan", "-c", str(recipe), "--world-size", "16", "--gpu-memory-gib", "141", "--json", "--serve",
+    argv = ["plan", "-c", str(recipe), "--world-size", "16", "--gpu-memory-gib", "1000", "--json", "--serve",
             "--max-batch-rows", "2"]
     assert main(argv) == 0
     planned = json.loads(capsys.readouterr().out)
@@ -100,7 +100,7 @@ def test_serve_is_refused_with_plan_serves_verdict(write_recipe, tmp_path):
                            "recipe_args": {"target_model_name_or_path": "demo:qwen3_moe_tiny",
                                            "train_data_path": "demo:conversations", "aux_layer_ids": [1, 2, 3],
                                            "cache_output_dir": str(tmp_path / "cache"), "seq_length": 512},
-                           "capture": {"compute_dtype": "fp32"}})
+                           "capture": {"compute_dtype": "fp32", "chunked_prefill": "off"}})
     peak = {rows: plan_capture(load_config(recipe), world_size=1, gpu_memory_gib=1e3, count_dataset=False,
                                serve_rows=rows).worst.peak_bytes for rows in (1, 64)}
     budget = (peak[1] + peak[64]) / 2 / 2**30  # one row fits, --max-batch-rows 64 does not
