@@ -21,13 +21,14 @@ import torch
 
 from ds_capture.errors import CaptureError
 from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.cache_size import row_bytes
 from ds_capture.sizing.carried_state import CarriedState, carried_state_bytes
 from ds_capture.sizing.supervision import Supervision
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.shard_spec import Member, Placement
 
 KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = mm.DTYPE_BYTES
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -298,7 +299,7 @@ class Sizer:
         """Every rank's estimate; ``chunk_tokens``: rows forwarded in chunks of that many tokens (None: whole)."""
         args = self.cfg.recipe_args
         table = self.table(layout.sharding, layout.tp_size, layout.ep_size, layout.world_size)
-        c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
+        c = DTYPE_BYTES[self.compute_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
         family, text = self.target.family, table.text_config
         stack, largest = mm.forward_activation_terms(
@@ -315,8 +316,7 @@ class Sizer:
             else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
         capture, capture_host = self._capture_bytes(B, S, chunk_tokens)
-        micro_batch = mm.micro_batch_bytes(micro_batch_size=B, seq_length=S, hidden_size=H,
-                                           num_layer_ids=len(self.layer_ids), cache_bytes=cb)
+        micro_batch = B * row_bytes(self.cfg, self.target, self.layer_ids)  # as the cache kind stores its rows
         # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B);
         # under supervision every supervising rank reads them (its lm_head, and serve's embeddings endpoint).
         target_weights = 2 * self.target.vocab_size * H * 2

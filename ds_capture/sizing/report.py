@@ -92,7 +92,7 @@ def _writer_line(report: Any) -> str:
 
 
 def _cache_line(cache: dict[str, Any]) -> str:
-    line = f"  cache: {_mib(cache['bytes_per_sample'])} per sample (padded to S, as format v1 stores rows)"
+    line = f"  cache: {_mib(cache['bytes_per_sample'])} per sample (padded to S, as {cache['format']} stores rows)"
     if cache["total_bytes"] is not None:
         return line + (f"; {cache['num_samples']:,} samples: {_gib(cache['total_bytes'])} with target weights; "
                        f"without stored padding ~{_gib(cache['unpadded_total_bytes'])} (mean "

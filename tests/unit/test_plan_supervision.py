@@ -49,6 +49,10 @@ def test_plan_of_an_eagle3_run_counts_aux_layers_lm_head_and_logits_chunk():
     # Captures: the 3 aux layers held (EAGLE-3 hooks layer outputs, never the final norm's), the aux states and the
     # final state collected in the compute dtype.
     assert report.ranks[0].capture_bytes == (3 + 4) * B * S * H * BF16
+    # The cache as EAGLE-3 v2 stores a row: ids and two masks (int64), the aux states, position_mask, target_probs
+    # over the draft vocabulary (here the whole one), in bf16; beside target_embeddings in fp32.
+    assert report.cache["bytes_per_sample"] == S * (3 * 8 + 3 * H * BF16 + 1 + V * BF16)
+    assert report.cache["target_weights_bytes"] == V * H * 4
     # A draft vocabulary shrinks the softmax's columns, not the logits.
     small = plan_capture(_cfg(draft_vocab_size=32000), world_size=16, gpu_memory_gib=1000, suggest=False,
                          count_dataset=False).to_dict()["supervision"]
