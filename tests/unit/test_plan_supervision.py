@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from test_sizing_estimate import LiveBytes  # tests/unit is on sys.path (pytest's rootdir-relative import)
 
 from ds_capture.cli import main
 from ds_capture.errors import CaptureError
@@ -19,6 +21,7 @@ from ds_capture.parallel.dist import DistEnv
 from ds_capture.recipe.config import load_config, parse_config
 from ds_capture.session import plan_session
 from ds_capture.sizing.command import plan_capture
+from ds_capture.sizing.supervision import Supervision
 
 REPO = Path(__file__).resolve().parents[2]
 V3 = REPO / "tests" / "fixtures" / "release_configs" / "deepseek_v3"
@@ -117,3 +120,29 @@ def test_serve_is_refused_with_plan_serves_verdict(write_recipe, tmp_path):
     with pytest.raises(CaptureError) as caught:
         plan_session(cfg, env, serve_rows=64)
     assert expected.reason() in str(caught.value) and "lower --max-batch-rows" in str(caught.value)
+
+
+def test_serve_logits_chunk_is_what_the_supervisor_allocates():
+    """serve's term against a measured Supervisor.compute (every storage it creates, op by op, on CPU in bf16): the
+    [n, V]-sized tensors at their peak (logits, then beside their fp32 copy and its softmax), to within the O(n)
+    rest (argmax, masks, shifted ids), which the term leaves out."""
+    from ds_capture.serve.supervision import Supervisor, VocabMapping
+
+    V, H, S, rows = 4096, 64, 128, 4
+    generator = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(V, H, generator=generator).to(torch.bfloat16)
+    last = torch.randn(rows, S, H, generator=generator).to(torch.bfloat16)
+    aux = torch.randn(rows, S, 3 * H, generator=generator).to(torch.bfloat16)
+    input_ids = torch.randint(0, V, (rows, S), generator=generator)
+    loss_mask = torch.ones(rows, S, dtype=torch.int64)
+    mapping = VocabMapping(torch.arange(V), torch.ones(V, dtype=torch.bool))  # no draft vocabulary: the whole one
+    supervisor = Supervisor(lm_head)
+    existing = {t.untyped_storage().data_ptr() for t in (lm_head, last, aux, input_ids, loss_mask,
+                                                         mapping.selected_token_ids, mapping.selected_token_mask)}
+    with torch.no_grad(), LiveBytes(existing) as tracked:
+        supervisor.compute(aux, last, input_ids, loss_mask, mapping)
+    estimate = Supervision("serve", vocab_size=V, draft_vocab_size=V, hidden_size=H,
+                           compute_bytes=BF16).logits_chunk_bytes(rows, S)
+    assert estimate == rows * S * V * (BF16 + 8)  # one chunk of all 4 rows (2 MiB each, under the 256 MiB bound)
+    print(f"serve logits chunk: measured peak {tracked.peak:,} bytes, plan {estimate:,}")
+    assert estimate <= tracked.peak <= 1.01 * estimate, (tracked.peak, estimate)
