@@ -146,3 +146,29 @@ def test_serve_logits_chunk_is_what_the_supervisor_allocates():
     assert estimate == rows * S * V * (BF16 + 8)  # one chunk of all 4 rows (2 MiB each, under the 256 MiB bound)
     print(f"serve logits chunk: measured peak {tracked.peak:,} bytes, plan {estimate:,}")
     assert estimate <= tracked.peak <= 1.01 * estimate, (tracked.peak, estimate)
+
+
+def test_run_logits_chunk_bounds_what_the_draft_distribution_allocates():
+    """run's term against a measured DraftDistribution.compute (fp32, CPU): its chunk of logits, the draft columns
+    and their softmax, and the content positions' states, beside the answer's own tensors (on the host on a GPU,
+    here in the same memory): at least the measured peak, at most 2% above it."""
+    from ds_capture.cache.eagle3.draft_distribution import DraftDistribution
+
+    V, Vd, H, S, rows = 4096, 1024, 64, 128, 4
+    generator = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(V, H, generator=generator)
+    last = torch.randn(rows, S, H, generator=generator)
+    loss_mask = torch.ones(rows, S, dtype=torch.int64)
+    num_tokens = torch.full((rows,), S)
+    distribution = DraftDistribution(lm_head, list(range(Vd)), target_probs_topk=0, cache_dtype=torch.float32)
+    existing = {t.untyped_storage().data_ptr() for t in (lm_head, last, loss_mask, num_tokens, distribution.selected,
+                                                         distribution.selected_mask,
+                                                         *distribution._filler.values())}
+    with torch.no_grad(), LiveBytes(existing) as tracked:
+        distribution.compute(last, loss_mask, num_tokens, S)
+    estimate = Supervision("run", vocab_size=V, draft_vocab_size=Vd, hidden_size=H,
+                           compute_bytes=4).logits_chunk_bytes(rows, S)
+    assert estimate == rows * S * (V * 4 + Vd * 8) + rows * S * H * 4  # all 512 positions in one chunk (< 4096)
+    answer = rows * S * (Vd * 4 + 1)  # target_probs [B, S, Vd] and position_mask, on the host on a GPU
+    print(f"run logits chunk: measured peak {tracked.peak:,} bytes, plan {estimate:,} + the answer {answer:,}")
+    assert tracked.peak <= estimate + answer <= 1.02 * tracked.peak, (tracked.peak, estimate, answer)
