@@ -8,6 +8,7 @@ does a ``regenerate`` whose server stopped answering, and any command whose peer
     ds-capture run -c configs/demo.yaml --set recipe_args.seq_length=256 [--restart] [--verify-checksums]
     ds-capture serve -c configs/demo_eagle3.yaml --port 8000 [--host 0.0.0.0] [--exit-on-disconnect]
     ds-capture plan -c configs/glm5.yaml --world-size 64 [--gpu-memory-gib 80] [--json]
+    ds-capture plan -c configs/demo_eagle3.yaml --serve [--max-batch-rows 8]
     ds-capture verify outputs/demo_cache [--checksums] [--json]
     ds-capture inspect outputs/demo_cache
     ds-capture regenerate --data IN.jsonl --output OUT.jsonl --url http://localhost:8000/v1 --model NAME
@@ -29,6 +30,7 @@ from ds_capture.errors import RERUN_EXIT_CODE, CaptureError, RerunError
 from ds_capture.log_setup import configure_logging
 from ds_capture.parallel.dist import AgreedError
 from ds_capture.parallel.torchrun_exit import record_exit_code
+from ds_capture.sizing.session_plan import SERVE_MAX_BATCH_ROWS
 
 _LOG = logging.getLogger("ds_capture")
 
@@ -79,8 +81,9 @@ def _add_serve(sub: Any) -> None:
                        help="TCP port of replica 0; replica d listens on PORT + d (default 8000; 0: free ones, logged)")
     serve.add_argument("--exit-on-disconnect", action="store_true",
                        help="stop once a trainer disconnects and nothing waits (NeMo's serve_target behaviour)")
-    serve.add_argument("--max-batch-rows", type=int, default=64,
-                       help="most rows per request, and per forward shared by waiting requests (default 64)")
+    serve.add_argument("--max-batch-rows", type=int, default=SERVE_MAX_BATCH_ROWS,
+                       help="most rows per request, and per forward shared by waiting requests (default "
+                            f"{SERVE_MAX_BATCH_ROWS}); ds-capture plan --serve --max-batch-rows N sizes it")
     serve.add_argument("--batch-requests", action="store_true",
                        help="let waiting requests of one length share a forward (answers may then differ from an "
                             "idle service's in the last bits; default: one forward per request, deterministic)")
@@ -107,6 +110,10 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="GPU memory per rank (default: capture.gpu_memory_gib, else this machine's GPU, else 80 GB)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--serve", action="store_true",
+                      help="size `ds-capture serve` (each forward --max-batch-rows rows, the listeners' supervision)")
+    plan.add_argument("--max-batch-rows", type=int, default=None,
+                      help=f"with --serve: serve's --max-batch-rows (default {SERVE_MAX_BATCH_ROWS}, serve's own)")
 
 
 def _add_cache_commands(sub: Any) -> None:
@@ -256,9 +263,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ds_capture.sizing.command import plan_capture
 
     report = plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
-                          gpu_memory_gib=args.gpu_memory_gib)
+                          gpu_memory_gib=args.gpu_memory_gib, serve_rows=_serve_rows(args))
     print(json.dumps(report.to_dict(), indent=2, sort_keys=True) if args.json else report.format())
     return 0
+
+
+def _serve_rows(args: argparse.Namespace) -> int | None:
+    """``plan``'s driver: None sizes ``run``; ``--serve`` sizes ``serve`` at its ``--max-batch-rows``."""
+    if args.max_batch_rows is not None and not args.serve:
+        raise CaptureError("--max-batch-rows sizes ds-capture serve: add --serve (run's forward is "
+                           "recipe_args.micro_batch_size rows).")
+    if not args.serve:
+        return None
+    return SERVE_MAX_BATCH_ROWS if args.max_batch_rows is None else args.max_batch_rows
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -342,7 +359,7 @@ def plan_from_command(command: str) -> Any:
 
     args = build_parser().parse_args(shlex.split(command)[1:])
     return plan_capture(load_config(args.config, args.overrides), world_size=args.world_size,
-                        gpu_memory_gib=args.gpu_memory_gib)
+                        gpu_memory_gib=args.gpu_memory_gib, serve_rows=_serve_rows(args))
 
 
 def regenerate_header(text: str) -> tuple[str, list[tuple[str, Any]]]:

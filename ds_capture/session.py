@@ -3,9 +3,10 @@
 In: a validated :class:`~ds_capture.recipe.config.RunConfig` and the launcher's
 :class:`~ds_capture.parallel.dist.DistEnv`. Out, in the order a driver uses them:
 
-- :func:`plan_session`: the target's facts, the cache kind's layer ids and the :class:`ParallelLayout`, checked
-  (family vs layout, resident experts, attention implementation, ``ds-capture plan``'s fit verdict) before any
-  process group exists or any weight loads;
+- :func:`plan_session`: the :class:`~ds_capture.sizing.session_plan.SessionPlan` (the target's facts, the cache
+  kind's layer ids, the :class:`ParallelLayout`, the driver's largest forward), checked (family vs layout, resident
+  experts, attention implementation, ``ds-capture plan``'s fit verdict on that same object) before any process
+  group exists or any weight loads;
 - :func:`distributed_target`: this rank's CPU threads (``capture.cpu_threads``, :func:`session_cpu_threads`), the
   process group and what keeps a sharded job honest (DeepSpeed's CPU all-reduce repaired, :class:`FailFast`,
   :class:`Liveness`, a dead peer's collective as a clear message);
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -30,56 +30,36 @@ import torch
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, DTYPES, NUMERICS_NAME
 from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
-from ds_capture.capture.chunked import forward_in_chunks, resolve_chunk_tokens
+from ds_capture.capture.chunked import forward_in_chunks
 from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
-from ds_capture.errors import CaptureError, RerunError
+from ds_capture.errors import RerunError
 from ds_capture.parallel.cpu_threads import compute_on_cpu, resolve_cpu_threads, use_cpu_threads
 from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout
-from ds_capture.parallel.resolve import resolve_layout
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing.command import refuse_if_not_fitting
-from ds_capture.target.families import TargetInfo, read_target_info
+from ds_capture.sizing.session_plan import SessionPlan, resolve_session
+from ds_capture.target.families import TargetInfo
 
 _LOG = logging.getLogger("ds_capture")
 
 
-@dataclass(frozen=True)
-class SessionPlan:
-    """What a session will be, known before any process group or weight: the target, its layer ids, the layout."""
-
-    target: TargetInfo
-    layer_ids: list[int]
-    plan: ParallelLayout
-    chunk_tokens: int | None = None
-    """``capture.chunked_prefill`` resolved: rows are forwarded in chunks of this many tokens (``None``: whole)."""
-
-
-def plan_session(cfg: RunConfig, env: DistEnv) -> SessionPlan:
-    """Every check of the target and the layout that needs no process group (a refusal here loads nothing)."""
-    args = cfg.recipe_args
-    target = read_target_info(args.target_path)
-    target = target.with_depth(args.target_num_hidden_layers, source=cfg.source)
+def plan_session(cfg: RunConfig, env: DistEnv, *, serve_rows: int | None = None) -> SessionPlan:
+    """Every check of the target and the layout that needs no process group (a refusal here loads nothing): the
+    :class:`SessionPlan` ``ds-capture plan`` sizes, resolved once (``serve_rows``: ``serve``'s ``--max-batch-rows``).
+    """
+    session = resolve_session(cfg, world_size=env.world_size, rank=env.rank, serve_rows=serve_rows)
+    target = session.target
     if target.checkpoint_num_hidden_layers is not None and env.rank == 0:
         _LOG.warning("Reducing the target from %d to %d layers (target_num_hidden_layers): diagnostic/CI only, "
                     "not a usable cache.", target.checkpoint_num_hidden_layers, target.num_hidden_layers)
-    layer_ids = select_cache_kind(cfg).resolve_layer_ids(cfg, target)
-    # The layout, resolved once (family, degrees, sharding, expert storage): plan below sizes this same value.
-    plan = resolve_layout(cfg, target, world_size=env.world_size, rank=env.rank)
-    target.family.resolve_attn_implementation(args.target_attn_implementation, source=cfg.source)
-    chunk_tokens = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length,
-                                        source=cfg.source)
-    # ds-capture plan's verdict for this world, before any process group or weight (GPU or a stated budget only);
-    # with a budget, chunked_prefill: auto forwards in the chunk that made plan's verdict fit.
-    planned = refuse_if_not_fitting(cfg, world_size=env.world_size,
-                                    compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
-                                    resolved=(target, plan, chunk_tokens))
-    if cfg.capture.chunked_prefill == "auto":
-        chunk_tokens = planned
-    return SessionPlan(target=target, layer_ids=layer_ids, plan=plan, chunk_tokens=chunk_tokens)
+    # ds-capture plan's verdict on this same session, before any process group or weight (GPU or a stated budget
+    # only); with a budget, chunked_prefill: auto forwards in the chunk that made plan's verdict fit.
+    return refuse_if_not_fitting(cfg, session=session,
+                                 compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype))
 
 
 @contextmanager

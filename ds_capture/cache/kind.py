@@ -21,6 +21,9 @@ class CacheKind(Protocol):
 
     pre_norm_last: bool
     """Hooks: layer id L-1 is the last decoder layer's own output (EAGLE-3), not the post-norm state (DSpark)."""
+    supervised: bool
+    """The writing rank computes the target's distribution from the final state and the whole lm_head (EAGLE-3;
+    ``ds-capture plan`` counts that lm_head and one chunk of its logits)."""
 
     def looks_complete(self, out_dir: Path) -> bool:
         """A cheap hint, before anything is checked: ``out_dir`` seems to hold a finished cache of this kind (one

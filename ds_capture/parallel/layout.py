@@ -43,6 +43,8 @@ class ParallelLayout:
     (FSDP2's dim-0 chunks) or ``zero3`` (ZeRO-3's flat partitions); resolved once (:mod:`.resolve`)."""
     expert_storage: str = "dequantized"
     """``capture.expert_storage``: ``dequantized`` or ``checkpoint`` (kept as released: resident or packed)."""
+    zero_stage: int = 0
+    """``zero_optimization.stage`` as configured (a stage 3 of one process is the plain model: ``sharding`` deepspeed)."""
 
     @staticmethod
     def single() -> "ParallelLayout":

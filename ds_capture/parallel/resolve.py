@@ -53,7 +53,7 @@ def layout_of(target: TargetInfo, *, engine: str, zero_stage: int, world_size: i
     layout = build_layout(world_size=world_size, rank=rank, tp_size=tp_size, ep_size=ep_size,
                           num_experts=target.num_experts, num_attention_heads=target.num_attention_heads,
                           num_key_value_heads=target.tp_key_value_heads)
-    return replace(layout, sharding=sharding, expert_storage=expert_storage or "dequantized")
+    return replace(layout, sharding=sharding, expert_storage=expert_storage or "dequantized", zero_stage=zero_stage)
 
 
 def sharding_of(engine: str, zero_stage: int, family: Any, *, world_size: int, tp_size: int, ep_size: int,

@@ -72,21 +72,18 @@ class OutputPaths:
 
     out: Path
 
-    @property
-    def partial(self) -> Path:
-        return self.out.with_name(self.out.name + ".partial")
+    def beside(self, suffix: str) -> Path:
+        """``OUT<suffix>``, in OUT's directory."""
+        return self.out.with_name(self.out.name + suffix)
 
-    @property
-    def assembling(self) -> Path:
-        return self.out.with_name(self.out.name + ".tmp")
-
-    @property
-    def refused(self) -> Path:
-        return self.out.with_name(self.out.name + ".refused.jsonl")
-
-    @property
-    def record(self) -> Path:
-        return self.out.with_name(self.out.name + ".regenerate.json")
+    partial = property(lambda self: self.beside(".partial"))
+    """The journal: one fsync'd record per finished row."""
+    assembling = property(lambda self: self.beside(".tmp"))
+    """OUT while it is assembled, renamed into place."""
+    refused = property(lambda self: self.beside(".refused.jsonl"))
+    """The rows a server refused."""
+    record = property(lambda self: self.beside(".regenerate.json"))
+    """The run's identity and counts."""
 
 
 def read_complete(paths: OutputPaths, identity: dict[str, Any]) -> Counts | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ from ds_capture.session import (
     resolve_compute_dtype,
     target_forward,
 )
+from ds_capture.sizing.session_plan import SERVE_MAX_BATCH_ROWS
 from ds_capture.target.checkpoint_reads import release_freed_memory
 
 _LOG = logging.getLogger("ds_capture")
@@ -64,7 +65,7 @@ class ServeOptions:
     """TCP port; 0 picks a free one (logged, and passed to ``on_listening``)."""
     exit_on_disconnect: bool = False
     """NeMo's own server's behaviour: stop once a client says ``disconnect`` and nothing is waiting."""
-    max_batch_rows: int = 64
+    max_batch_rows: int = SERVE_MAX_BATCH_ROWS
     """Most rows one request may carry, and (with ``batch_requests``) one forward may batch."""
     batch_requests: bool = False
     """Let waiting requests of one sequence length share a forward (``--batch-requests``). Off by default: each
@@ -107,20 +108,15 @@ class ServeSummary:
 def serve_target(cfg: RunConfig, options: ServeOptions, *, on_listening=None) -> ServeSummary:
     """Serve ``cfg``'s target until stopped; every rank of the job calls this (each replica's first rank
     listens)."""
-    if cfg.cache_kind != "eagle3":
-        raise CaptureError(f"{cfg.source}: ds-capture serve answers NeMo's EAGLE-3 remote protocol: set "
-                           f"`cache_kind: eagle3` (got {cfg.cache_kind!r}); recipe_args.aux_layer_ids chooses the "
-                           "aux layers.")
     if options.max_batch_rows < 1 or options.max_body_mib <= 0:
         raise CaptureError(f"--max-batch-rows ({options.max_batch_rows}) must be >= 1 and --max-body-mib "
                            f"({options.max_body_mib:g}) > 0.")
-    # The plan check sizes the largest forward the service runs: --max-batch-rows rows at seq_length.
-    cfg = replace(cfg, recipe_args=replace(cfg.recipe_args, micro_batch_size=options.max_batch_rows,
-                                           cache_shard_size=options.max_batch_rows))
     env = discover_env()
     # From here on SIGTERM / SIGINT stop every rank at the next tick (exit 0); a second one ends the process at once.
     with StopOnSignal(announce=env.rank == 0) as stop:
-        session = plan_session(cfg, env)  # every refusal (layout, fit) before anything loads or listens
+        # Every refusal (cache kind, layout, fit) before anything loads or listens; sized as serve itself:
+        # --max-batch-rows rows per forward, the listeners' lm_head and logits chunk (ds-capture plan --serve).
+        session = plan_session(cfg, env, serve_rows=options.max_batch_rows)
         with distributed_target(cfg, env, session.plan):
             return _serve(cfg, session, stop, options, on_listening)
 

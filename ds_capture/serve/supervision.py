@@ -23,12 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ds_capture.cache.eagle3.draft_distribution import FullLogits, rows_per_chunk
 from ds_capture.cache.eagle3.kind import shift_left  # NeMo's _shift_left_with_zero, as the EAGLE-3 cache shifts
-
-LOGITS_CHUNK_BYTES = 256 * 2**20
-"""Upper bound on one chunk's fp32-sized logits (b rows x S x V); at least one row."""
 
 
 @dataclass(frozen=True)
@@ -45,16 +42,8 @@ class VocabMapping:
                 and torch.equal(self.selected_token_mask, other.selected_token_mask))
 
 
-class Supervisor:
+class Supervisor(FullLogits):
     """Turns captures into ``generate``'s answer (see the module docstring); one per listening rank."""
-
-    def __init__(self, lm_head: torch.Tensor) -> None:
-        self.lm_head = lm_head
-        self.vocab_size = int(lm_head.shape[0])
-
-    def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[..., V] as the model's own lm_head computes them."""
-        return F.linear(last, self.lm_head)
 
     def compute(self, aux: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 mapping: VocabMapping) -> dict[str, torch.Tensor]:
@@ -67,7 +56,7 @@ class Supervisor:
             torch.equal(selected, torch.arange(self.vocab_size, device=selected.device)))
         shifted_loss_mask = shift_left(loss_mask)
         probs, masks = [], []
-        rows = max(1, LOGITS_CHUNK_BYTES // (S * self.vocab_size * 4))
+        rows = rows_per_chunk(S, self.vocab_size)  # ds-capture plan sizes this chunk (sizing/supervision.py)
         for lo in range(0, B, rows):
             hi = min(B, lo + rows)
             logits = shift_left(self.logits(last[lo:hi]))  # [b, S, V]: the only full-vocabulary tensor

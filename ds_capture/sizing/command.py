@@ -1,13 +1,15 @@
-"""``ds-capture plan``: what one capture run needs on every rank, from the target's ``config.json`` alone.
+"""``ds-capture plan``: what one capture run (or ``serve``) needs on every rank, from the target's ``config.json`` alone.
 
-In:  a validated :class:`~ds_capture.recipe.config.RunConfig`, a world size and a GPU budget. Nothing else is read but
-     the target's ``config.json`` (no weights, no tokenizer needed) and, when it exists, the dataset (to count
-     its rows and estimate their lengths).
+In:  a validated :class:`~ds_capture.recipe.config.RunConfig`, a world size and a GPU budget, or the session's own
+     :class:`~ds_capture.sizing.session_plan.SessionPlan` (the cache kind's layer ids, the resolved layout, the
+     driver). Nothing else is read but the target's ``config.json`` (no weights, no tokenizer needed) and, when it
+     exists, the dataset (to count its rows and estimate their lengths).
 Out: a :class:`PlanReport`: per rank, parameter bytes by kind (counted from the real-size model built on
      ``meta`` and shaped by the engines' own layout functions, :mod:`ds_capture.parallel.meta_layout`), the
      forward's activation peak (an estimate, :mod:`ds_capture.sizing.memory_model`, with its largest term named), the
-     capture buffers, the writer's device and host memory, the total against the budget, and the cache's size.
-     ``run`` calls :func:`refuse_if_not_fitting` before any weight loads.
+     capture buffers, the writer's device and host memory, an EAGLE-3 supervising rank's lm_head and logits chunk
+     (:mod:`.supervision`), the total against the budget, and the cache's size (none for ``serve``).
+     The session (``run``, ``serve``) calls :func:`refuse_if_not_fitting` on its SessionPlan before any weight loads.
 
 Ranks are computed per distinct role and expanded: under the DeepSpeed engine a rank's parameters depend only
 on its TP rank (every EP rank holds E/ep experts), its writer memory on whether it is its TP group's rank 0;
@@ -21,22 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ds_capture.capture.chunked import resolve_chunk_tokens
-from ds_capture.capture.hooks import resolve_layer_ids
 from ds_capture.errors import CaptureError
-from ds_capture.parallel.layout import ParallelLayout
-from ds_capture.parallel.resolve import layout_of, resolve_layout
+from ds_capture.parallel.resolve import layout_of
 from ds_capture.recipe.config import RunConfig
 from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.cache_size import cache_estimate
-from ds_capture.sizing.count import Layout, RankEstimate, Sizer
-from ds_capture.target.families import TargetInfo, read_target_info
+from ds_capture.sizing.alternatives import Proposal, fitting_layouts
+from ds_capture.sizing.count import DTYPE_BYTES, Layout, RankEstimate, Sizer
+from ds_capture.sizing.session_plan import SessionPlan, resolve_session
+from ds_capture.sizing.supervision import Supervision, supervision_of
+from ds_capture.target.families import TargetInfo
 
 MAX_WORLD_SIZE = 512
 
@@ -59,7 +60,8 @@ class PlanReport:
     ranks: list[RankEstimate]
     activation_largest: mm.Term
     activation_terms: list[mm.Term]
-    cache: dict[str, Any]
+    cache: dict[str, Any] | None
+    """The cache's size (:mod:`.cache_size`); None for ``serve``, which writes none."""
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     storage_alternatives: list[dict[str, Any]] = field(default_factory=list)
     chunk_tokens: int | None = None
@@ -68,6 +70,10 @@ class PlanReport:
     """Under chunked prefill: one row's carried state per rank (bytes) and how it was found (counted / bound)."""
     chunked_prefill: int | str = "auto"
     """The configured setting (``auto``: plan chose ``chunk_tokens``)."""
+    driver: str = "run"
+    """``run`` (a cache; ``micro_batch_size`` rows per forward) or ``serve`` (``--max-batch-rows`` rows, no cache)."""
+    supervision: Supervision | None = None
+    """The supervising ranks' lm_head and logits chunk (EAGLE-3), None where nothing is supervised."""
 
     @property
     def worst(self) -> RankEstimate:
@@ -97,7 +103,8 @@ class PlanReport:
     def to_dict(self) -> dict[str, Any]:
         name, value = self.largest_consumer()
         return {
-            "config": self.source, "model_type": self.target.model_type, "total_params": self.total_params,
+            "config": self.source, "driver": self.driver, "model_type": self.target.model_type,
+            "total_params": self.total_params,
             "layout": {"engine": self.layout.engine, "world_size": self.layout.world_size,
                        "dp_size": self.layout.dp_size, "tp_size": self.layout.tp_size,
                        "ep_size": self.layout.ep_size, "zero_stage": self.layout.zero_stage,
@@ -117,7 +124,17 @@ class PlanReport:
             "layouts_that_fit": self.alternatives,
             "expert_storage_alternatives": self.storage_alternatives,
             "cache": self.cache,
+            "supervision": self.supervision_terms(),
         }
+
+    def supervision_terms(self) -> dict[str, Any] | None:
+        """The supervising ranks' (EAGLE-3) terms by name, in bytes: the whole lm_head and one logits chunk."""
+        if self.supervision is None:
+            return None
+        terms = self.supervision.device_terms(self.layout.micro_batch_size, self.seq_length, self.chunk_tokens)
+        return {"driver": self.driver, "draft_vocab_size": self.supervision.draft_vocab_size,
+                "logits_positions": self.supervision.logits_positions(self.layout.micro_batch_size, self.seq_length),
+                **{term.name.replace("supervision ", "") + "_bytes": int(term.bytes) for term in terms}}
 
     def format(self) -> str:
         from ds_capture.sizing.report import format_report
@@ -129,62 +146,71 @@ class PlanReport:
 
 def plan_capture(cfg: RunConfig, *, world_size: int | None = None, gpu_memory_gib: float | None = None,
                  compute_dtype: str | None = None, suggest: bool = True, count_dataset: bool = True,
-                 resolved: tuple[TargetInfo, ParallelLayout, int | None] | None = None) -> PlanReport:
+                 session: SessionPlan | None = None, serve_rows: int | None = None) -> PlanReport:
     """Size ``cfg`` on ``world_size`` ranks (default: the smallest world its degrees allow) against the budget.
 
     ``compute_dtype`` None follows ``capture.compute_dtype``, sizing a GPU run (``auto`` = bf16).
     ``gpu_memory_gib`` None: ``capture.gpu_memory_gib``, else the local CUDA device's, else an 80 GB GPU.
-    ``resolved``: the session's target, layout and chunk (:func:`~ds_capture.session.plan_session`), sized as they
-    are; None: resolved here by the same functions (``ds-capture plan``).
+    ``session``: the session's own :class:`SessionPlan` (:func:`~ds_capture.session.plan_session`), sized as it is;
+    None: resolved here by the same :func:`resolve_session` (``ds-capture plan``; ``serve_rows``: as ``ds-capture
+    serve --max-batch-rows serve_rows``).
     """
     from ds_capture.parallel.deepspeed_engine import tp_grain_size
 
     args = cfg.recipe_args
-    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
-    if resolved is None:
-        target = _read_target(args.target_path, args.trust_remote_code)
-        parallel = resolve_layout(cfg, target, world_size=world_size)
-        chunk = resolve_chunk_tokens(cfg.capture.chunked_prefill, target.family, args.seq_length, source=cfg.source)
-    else:
-        target, parallel, chunk = resolved
-    if not 1 <= parallel.world_size <= MAX_WORLD_SIZE:
-        raise CaptureError(f"--world-size {parallel.world_size} must be between 1 and {MAX_WORLD_SIZE}.")
-    layer_ids = resolve_layer_ids(args.target_layer_ids, target.num_hidden_layers, args.draft_num_hidden_layers,
-                                  source=cfg.source, family=target.family)
+    if session is None:
+        if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise CaptureError(f"--world-size {world_size} must be between 1 and {MAX_WORLD_SIZE}.")
+        session = resolve_session(cfg, world_size=world_size, serve_rows=serve_rows)
+    target, chunk = session.target, session.chunk_tokens
+    if not 1 <= session.plan.world_size <= MAX_WORLD_SIZE:
+        raise CaptureError(f"--world-size {session.plan.world_size} must be between 1 and {MAX_WORLD_SIZE}.")
     budget, budget_source = resolve_budget(cfg, gpu_memory_gib)
     dtype_name = compute_dtype or ("bf16" if cfg.capture.compute_dtype == "auto" else cfg.capture.compute_dtype)
-    layout = Layout.of(parallel, cfg.engine, args.micro_batch_size)
-    tp_size, ep_size, world_size = layout.tp_size, layout.ep_size, layout.world_size
+    layout = Layout.of(session.plan, cfg.engine, session.micro_batch_size)
     storage = _configured_storage(cfg, target, partitioned_ep=_partitioned_ep(layout))
-    sizer = Sizer(cfg, target, layer_ids, dtype_name, tp_grain_size(cfg.deepspeed_config))
+    sizer = Sizer(cfg, target, session.layer_ids, dtype_name, tp_grain_size(cfg.deepspeed_config),
+                  pre_norm_last=session.pre_norm_last,
+                  supervision=supervision_of(session, cfg, DTYPE_BYTES[dtype_name]))
     ranks, largest, stack = sizer.ranks(layout, storage, chunk)
     if cfg.capture.chunked_prefill == "auto" and max(r.peak_bytes for r in ranks) > budget:
         chunk, (ranks, largest, stack) = _largest_fitting_chunk(sizer, layout, storage, budget, target, args.seq_length,
                                                                 (ranks, largest, stack))
     report = PlanReport(
         source=cfg.source, target=target, layout=layout, compute_dtype=dtype_name, cache_dtype=args.cache_dtype,
-        seq_length=args.seq_length, layer_ids=layer_ids, budget_bytes=budget, budget_source=budget_source,
-        expert_storage=storage, total_params=sizer.table(layout.sharding, tp_size, ep_size, world_size).total_params,
-        ranks=ranks, activation_largest=largest,
-        activation_terms=stack, cache=cache_estimate(cfg, target, layer_ids, count_dataset), chunk_tokens=chunk,
-        chunked_prefill=cfg.capture.chunked_prefill,
+        seq_length=args.seq_length, layer_ids=session.layer_ids, budget_bytes=budget, budget_source=budget_source,
+        expert_storage=storage, total_params=sizer.table(layout.sharding, layout.tp_size, layout.ep_size,
+                                                         layout.world_size).total_params,
+        ranks=ranks, activation_largest=largest, activation_terms=stack,
+        cache=None if session.serve else cache_estimate(cfg, target, session.layer_ids, count_dataset),
+        chunk_tokens=chunk, chunked_prefill=cfg.capture.chunked_prefill,
         carried_state=dataclasses.asdict(sizer.carried_state()) if chunk else None,
+        driver=session.driver, supervision=sizer.supervision,
     )
+    report.storage_alternatives = _storage_alternatives(sizer, layout, storage, chunk, budget)
+    if suggest and not report.fits:
+        report.alternatives = fitting_layouts(sizer, layout, storage, budget, resolve=_layout_resolver(target))
+    return report
+
+
+def _storage_alternatives(sizer: Sizer, layout: Layout, storage: mm.ExpertStorage, chunk: int | None,
+                          budget: float) -> list[dict[str, Any]]:
+    """The same ranks with the routed experts stored the other way (dequantized, or in the checkpoint's format),
+    where the checkpoint is quantized and its experts can stay resident in this layout."""
+    target = sizer.target
     checkpoint = (None if target.family.is_nemo and not _partitioned_ep(layout)  # NeMo's experts resident only there
                   else mm.checkpoint_expert_storage(target_quantization(target)))
-    if checkpoint is not None and checkpoint.bytes_per_param is not None:
-        for option in (mm.COMPUTE_STORAGE, checkpoint):
-            if option.format != storage.format:
-                worst = max(sizer.ranks(layout, option, chunk)[0], key=lambda r: r.peak_bytes)
-                report.storage_alternatives.append({
-                    "expert_storage": "checkpoint" if option is checkpoint else "dequantized", "format": option.format,
-                    "detail": option.detail, "param_bytes": int(worst.param_bytes),
-                    "peak_bytes": int(worst.peak_bytes), "fits": worst.peak_bytes <= budget})
-    if suggest and not report.fits:
-        report.alternatives = sizer.fitting_layouts(layout, storage, budget,
-                                                    validate=lambda candidate: _validate_layout(target, candidate))
-    return report
+    if checkpoint is None or checkpoint.bytes_per_param is None:
+        return []
+    out = []
+    for option in (mm.COMPUTE_STORAGE, checkpoint):
+        if option.format != storage.format:
+            worst = max(sizer.ranks(layout, option, chunk)[0], key=lambda r: r.peak_bytes)
+            out.append({
+                "expert_storage": "checkpoint" if option is checkpoint else "dequantized", "format": option.format,
+                "detail": option.detail, "param_bytes": int(worst.param_bytes),
+                "peak_bytes": int(worst.peak_bytes), "fits": worst.peak_bytes <= budget})
+    return out
 
 
 def _largest_fitting_chunk(sizer: Sizer, layout: Layout, storage: mm.ExpertStorage, budget: float,
@@ -218,26 +244,27 @@ def resolve_budget(cfg: RunConfig, gpu_memory_gib: float | None) -> tuple[float,
     return mm.DEFAULT_GPU_MEMORY_GIB * mm.GIB, "no CUDA device here: an 80 GB GPU"
 
 
-def refuse_if_not_fitting(cfg: RunConfig, *, world_size: int, compute_dtype: torch.dtype,
-                          resolved: tuple[TargetInfo, ParallelLayout, int | None] | None = None) -> int | None:
-    """``run``'s check before any weight loads: plan's verdict for this world, a ``CaptureError`` if it does not fit;
-    else plan's chunk (``capture.chunked_prefill``; for ``auto``, the chunk that made it fit; None: whole rows).
+def refuse_if_not_fitting(cfg: RunConfig, *, compute_dtype: torch.dtype, session: SessionPlan | None = None,
+                          world_size: int | None = None) -> SessionPlan | None:
+    """The session's check before any weight loads: plan's verdict on ``session`` (None: resolved for
+    ``world_size`` ranks), a ``CaptureError`` if it does not fit; else the session with plan's chunk
+    (``capture.chunked_prefill: auto``: the chunk that made it fit; None: whole rows).
 
     The budget is ``capture.gpu_memory_gib`` or, on a CUDA machine, the device's total memory; on a CPU-only
-    machine without the key nothing is checked (host memory is not what plan sizes).
+    machine without the key nothing is checked (host memory is not what plan sizes) and ``session`` is returned.
     """
-    if cfg.capture.gpu_memory_gib is None and not torch.cuda.is_available():
-        return None
-    if cfg.capture.gpu_memory_gib == 0:
-        return None
+    if (cfg.capture.gpu_memory_gib is None and not torch.cuda.is_available()) or cfg.capture.gpu_memory_gib == 0:
+        return session
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[compute_dtype]
     report = plan_capture(cfg, world_size=world_size, compute_dtype=name, suggest=True, count_dataset=False,
-                          resolved=resolved)
+                          session=session)
     if not report.fits:
+        driver = "--max-batch-rows" if report.driver == "serve" else "recipe_args.micro_batch_size"
         raise CaptureError(
             f"{cfg.source}: {report.reason()}. Nothing was loaded. Choose a layout that fits (ds-capture plan -c "
-            f"{cfg.source} shows every rank), lower recipe_args.micro_batch_size, or set capture.gpu_memory_gib.")
-    return report.chunk_tokens
+            f"{cfg.source}{' --serve' if report.driver == 'serve' else ''} shows every rank), lower {driver}, or "
+            "set capture.gpu_memory_gib.")
+    return replace(session, chunk_tokens=report.chunk_tokens) if session is not None else None
 
 
 def target_quantization(target: TargetInfo) -> dict | None:
@@ -253,13 +280,9 @@ def target_quantization(target: TargetInfo) -> dict | None:
     return None
 
 
-def _read_target(path: Path, trust_remote_code: bool) -> TargetInfo:
-    return read_target_info(path, trust_remote_code=trust_remote_code)
-
-
 def _partitioned_ep(layout: Layout) -> bool:
     """FSDP2's or ZeRO-3's expert-parallel layout: everything but the routed experts partitioned over every rank."""
-    return layout.ep_size > 1 and layout.sharding in ("fsdp2", "zero3")
+    return layout.ep_size > 1 and layout.partitioned
 
 
 def _configured_storage(cfg: RunConfig, target: TargetInfo, *, partitioned_ep: bool = False) -> mm.ExpertStorage:
@@ -271,10 +294,16 @@ def _configured_storage(cfg: RunConfig, target: TargetInfo, *, partitioned_ep: b
     return mm.COMPUTE_STORAGE
 
 
-def _validate_layout(target: TargetInfo, layout: Layout) -> None:
-    """A layout plan proposes passes the run's own refusals (:func:`~ds_capture.parallel.resolve.layout_of`)."""
-    layout_of(target, engine=layout.engine, zero_stage=layout.zero_stage, world_size=layout.world_size, rank=0,
-              tp_size=layout.tp_size, ep_size=layout.ep_size, expert_storage=None)
+def _layout_resolver(target: TargetInfo):
+    """A layout plan proposes, resolved by the run's own checks (:func:`~ds_capture.parallel.resolve.layout_of`):
+    ``Proposal -> Layout``, a ``CaptureError`` where the run would refuse it."""
+    def resolve(proposal: Proposal) -> Layout:
+        parallel = layout_of(target, engine=proposal.engine, zero_stage=proposal.zero_stage,
+                             world_size=proposal.world_size, rank=0, tp_size=proposal.tp_size,
+                             ep_size=proposal.ep_size, expert_storage=None)
+        return Layout.of(parallel, proposal.engine, proposal.micro_batch_size)
+
+    return resolve
 
 
 def _gib(value: float) -> str:

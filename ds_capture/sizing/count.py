@@ -1,8 +1,9 @@
 """The counting half of ``ds-capture plan``: the sharded meta model -> a tensor table -> every rank's memory.
 
-In:  the run config, the target, the compute dtype, a layout (engine, world, tp, ep, micro-batch).
-Out: :class:`Sizer.ranks` -> one :class:`RankEstimate` per rank (computed per distinct role, then expanded);
-     :meth:`Sizer.fitting_layouts` -> other layouts that fit the budget (the cache's size: :mod:`.cache_size`).
+In:  the run config, the target, the compute dtype, a resolved layout (sharding, world, tp, ep, micro-batch), and what
+     the session's cache kind and driver add: its hook semantics and its supervision (:mod:`.supervision`).
+Out: :class:`Sizer.ranks` -> one :class:`RankEstimate` per rank (computed per distinct role, then expanded); other
+     layouts that fit: :mod:`.alternatives`; the cache's size: :mod:`.cache_size`.
 
 Parameters (and buffers) are counted from the model the engines would build, on ``meta``: the DeepSpeed layout
 comes from :func:`~ds_capture.parallel.meta_layout.build_layout_on_meta` (the engine's EP, then DeepSpeed's own
@@ -20,42 +21,47 @@ import torch
 
 from ds_capture.errors import CaptureError
 from ds_capture.sizing import memory_model as mm
+from ds_capture.sizing.cache_size import row_bytes
 from ds_capture.sizing.carried_state import CarriedState, carried_state_bytes
+from ds_capture.sizing.supervision import Supervision
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.shard_spec import Member, Placement
 
 KINDS = ("routed experts", "attention", "dense/shared MLP", "embeddings + lm_head", "other")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = mm.DTYPE_BYTES
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Layout:
+    """A resolved layout as plan sizes it: the :class:`~ds_capture.parallel.layout.ParallelLayout`'s degrees and
+    sharding (:func:`~ds_capture.parallel.resolve.layout_of` decided them), and the micro-batch."""
+
     engine: str
     world_size: int
     tp_size: int
     ep_size: int
     micro_batch_size: int
+    sharding: str = "deepspeed"
+    """How the non-expert parameters are split, as resolved: ``deepspeed`` (AutoTP, or whole), ``fsdp2`` (FSDP2's
+    dim-0 chunks) or ``zero3`` (DeepSpeed ZeRO-3's flat partitions); one process is the plain model."""
     zero_stage: int = 0
-    """``deepspeed_config``'s ``zero_optimization.stage`` (3: ZeRO-3's layout, :mod:`.parallel.zero3_engine`)."""
+    """``deepspeed_config``'s ``zero_optimization.stage`` as configured."""
 
     @property
     def dp_size(self) -> int:
         return self.world_size // self.tp_size
 
     @property
-    def sharding(self) -> str:
-        """How the non-expert parameters are split: ``deepspeed`` (AutoTP, or whole), ``fsdp2`` (FSDP2's dim-0
-        chunks) or ``zero3`` (DeepSpeed ZeRO-3's flat partitions); one process is the plain model (``deepspeed``)."""
-        if self.world_size == 1:
-            return "deepspeed"
-        return "zero3" if self.engine == "deepspeed" and self.zero_stage == 3 else self.engine
+    def partitioned(self) -> bool:
+        """FSDP2 or ZeRO-3: every non-expert parameter partitioned over every rank (tp 1)."""
+        return self.sharding in ("fsdp2", "zero3")
 
     @staticmethod
     def of(parallel: Any, engine: str, micro_batch_size: int) -> "Layout":
         """The resolved :class:`~ds_capture.parallel.layout.ParallelLayout` as plan sizes it."""
         return Layout(engine, parallel.world_size, parallel.tp_size, parallel.ep_size, micro_batch_size,
-                      zero_stage=3 if parallel.sharding == "zero3" else 0)
+                      sharding=parallel.sharding, zero_stage=parallel.zero_stage)
 
     def member(self, rank: int) -> Member:
         """``rank``'s index in each group of this layout (TP groups consecutive, EP groups consecutive)."""
@@ -64,7 +70,7 @@ class Layout:
     def describe(self) -> str:
         if self.sharding == "zero3":
             shape = f"engine deepspeed ZeRO-3, world {self.world_size}, ep {self.ep_size}"
-        elif self.engine == "fsdp2":
+        elif self.sharding == "fsdp2":
             shape = f"engine fsdp2, world {self.world_size}" + (f", ep {self.ep_size}" if self.ep_size > 1 else "")
         else:
             shape = f"world {self.world_size} = dp {self.dp_size} x tp {self.tp_size}, ep {self.ep_size}"
@@ -120,6 +126,8 @@ class RankEstimate:
     reserve_bytes: float
     host_bytes: float
     gather_name: str = "FSDP2 all-gathered layers"
+    supervision_bytes: float = 0.0
+    """A supervising rank's (EAGLE-3) whole lm_head and one chunk of its logits (:mod:`.supervision`)."""
 
     @property
     def param_bytes(self) -> float:
@@ -128,12 +136,12 @@ class RankEstimate:
     @property
     def peak_bytes(self) -> float:
         return (self.param_bytes + self.activation_bytes + self.capture_bytes + self.writer_device_bytes
-                + self.fsdp2_gather_bytes + self.reserve_bytes)
+                + self.fsdp2_gather_bytes + self.reserve_bytes + self.supervision_bytes)
 
     def consumers(self) -> dict[str, float]:
         return {**self.param_bytes_by_kind, "activations": self.activation_bytes,
                 "capture buffers": self.capture_bytes, self.gather_name: self.fsdp2_gather_bytes,
-                "runtime reserve": self.reserve_bytes}
+                "runtime reserve": self.reserve_bytes, "supervision (lm_head + logits)": self.supervision_bytes}
 
     def to_dict(self, budget: float) -> dict[str, Any]:
         return {"rank": self.rank, "tp_rank": self.tp_rank, "ep_rank": self.ep_rank, "dp_rank": self.dp_rank,
@@ -142,7 +150,8 @@ class RankEstimate:
                 "activation_bytes": int(self.activation_bytes), "capture_bytes": int(self.capture_bytes),
                 "writer_device_bytes": int(self.writer_device_bytes),
                 "writer_host_bytes": int(self.writer_host_bytes), "fsdp2_gather_bytes": int(self.fsdp2_gather_bytes),
-                "reserve_bytes": int(self.reserve_bytes), "peak_bytes": int(self.peak_bytes),
+                "reserve_bytes": int(self.reserve_bytes), "supervision_bytes": int(self.supervision_bytes),
+                "peak_bytes": int(self.peak_bytes),
                 "host_bytes": int(self.host_bytes), "fits": self.peak_bytes <= budget}
 
 
@@ -166,37 +175,39 @@ class Sizer:
     """Counts one target's ranks under any layout; meta models are built once per (engine, tp, ep)."""
 
     def __init__(self, cfg: Any, target: TargetInfo, layer_ids: list[int], compute_dtype: str,
-                 tp_grain_size: int) -> None:
+                 tp_grain_size: int, *, pre_norm_last: bool = False, supervision: Supervision | None = None) -> None:
         self.cfg, self.target, self.layer_ids = cfg, target, layer_ids
         self.compute_dtype, self.tp_grain_size = compute_dtype, tp_grain_size
+        self.pre_norm_last, self.supervision = pre_norm_last, supervision
         self.num_built = 0
 
     # -- the tensor table ----------------------------------------------------------------------------------------
-    def _tables_world(self, engine: str, world_size: int, ep_size: int = 1) -> int:
-        """The ranks the engine splits the family's row-parallel tables over (1: it has none, or plain FSDP2, which
+    def _tables_world(self, sharding: str, world_size: int, ep_size: int = 1) -> int:
+        """The ranks the sharding splits the family's row-parallel tables over (1: it has none, or plain FSDP2, which
         shards them as any parameter; FSDP2 with expert parallelism keeps them row-split like DeepSpeed): the only
         way the world size shapes a rank's tensors."""
-        row_split = engine in ("deepspeed", "zero3") or (engine == "fsdp2" and ep_size > 1)
+        row_split = sharding != "fsdp2" or ep_size > 1
         return world_size if row_split and self.target.family.row_parallel_tables else 1
 
-    def _key(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> tuple:
+    def _key(self, sharding: str, tp_size: int, ep_size: int, world_size: int) -> tuple:
         config = self.target.path / "config.json"
         return (str(config), config.stat().st_mtime_ns, self.compute_dtype, self.tp_grain_size,
-                self.cfg.recipe_args.target_attn_implementation, engine, tp_size, ep_size,
-                self._tables_world(engine, world_size, ep_size))
+                self.cfg.recipe_args.target_attn_implementation, sharding, tp_size, ep_size,
+                self._tables_world(sharding, world_size, ep_size))
 
-    def has_table(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> bool:
-        return self._key(engine, tp_size, ep_size, world_size) in _TABLES
+    def has_table(self, sharding: str, tp_size: int, ep_size: int, world_size: int) -> bool:
+        return self._key(sharding, tp_size, ep_size, world_size) in _TABLES
 
-    def table(self, engine: str, tp_size: int, ep_size: int, world_size: int) -> _Table:
+    def table(self, sharding: str, tp_size: int, ep_size: int, world_size: int) -> _Table:
         """The tensor table of one layout; built once per process (a meta model takes about a second)."""
-        key = self._key(engine, tp_size, ep_size, world_size)
+        key = self._key(sharding, tp_size, ep_size, world_size)
         if key not in _TABLES:
-            _TABLES[key] = self._build_table(engine, tp_size, ep_size, self._tables_world(engine, world_size, ep_size))
+            tables_world = self._tables_world(sharding, world_size, ep_size)
+            _TABLES[key] = self._build_table(sharding, tp_size, ep_size, tables_world)
             self.num_built += 1
         return _TABLES[key]
 
-    def _build_table(self, engine: str, tp_size: int, ep_size: int, tables_world: int) -> _Table:
+    def _build_table(self, sharding: str, tp_size: int, ep_size: int, tables_world: int) -> _Table:
         from ds_capture.parallel.engram_parallel import RowParallelTable, row_parallel_tables
         from ds_capture.parallel.expert_parallel import moe_experts_modules
         from ds_capture.parallel.meta_layout import build_layout_on_meta
@@ -209,7 +220,7 @@ class Sizer:
                                      world_size=tables_world)
         # The engines' own spec (rank 0's shapes, every rank's sizes): FSDP2 with expert parallelism and ZeRO-3
         # leave the routed experts (E/ep per rank) and the row-split tables out of the partitioning.
-        spec = build_shard_spec(model, Member(), sharding=engine, family=family)
+        spec = build_shard_spec(model, Member(), sharding=sharding, family=family)
         expert_prefixes = tuple(f"{name}." for name, _ in moe_experts_modules(model, family)) if family.is_moe else ()
         tensors = []
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):
@@ -288,7 +299,7 @@ class Sizer:
         """Every rank's estimate; ``chunk_tokens``: rows forwarded in chunks of that many tokens (None: whole)."""
         args = self.cfg.recipe_args
         table = self.table(layout.sharding, layout.tp_size, layout.ep_size, layout.world_size)
-        c, cb = DTYPE_BYTES[self.compute_dtype], DTYPE_BYTES[args.cache_dtype]
+        c = DTYPE_BYTES[self.compute_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
         family, text = self.target.family, table.text_config
         stack, largest = mm.forward_activation_terms(
@@ -304,15 +315,14 @@ class Sizer:
             carried_transient_bytes=B * self.carried_state().transient_bytes if chunk_tokens and chunk_tokens < S
             else 0)
         activation = sum(t.bytes for t in stack) + largest.bytes
-        num_layers = self.target.num_hidden_layers
-        capture_term, capture_host = mm.capture_terms(
-            micro_batch_size=B, seq_length=S, hidden_size=H, num_held=sum(1 for i in self.layer_ids if i != num_layers - 1),
-            num_layer_ids=len(self.layer_ids), compute_bytes=c, cache_bytes=cb, chunk_tokens=chunk_tokens)
-        capture = capture_term.bytes
-        micro_batch = mm.micro_batch_bytes(micro_batch_size=B, seq_length=S, hidden_size=H,
-                                           num_layer_ids=len(self.layer_ids), cache_bytes=cb)
-        # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B).
+        capture, capture_host = self._capture_bytes(B, S, chunk_tokens)
+        micro_batch = B * row_bytes(self.cfg, self.target, self.layer_ids)  # as the cache kind stores its rows
+        # Rank 0 reads the full embedding and lm_head on the host to write target_weights (checkpoint dtype: 2 B);
+        # under supervision every supervising rank reads them (its lm_head, and serve's embeddings endpoint).
         target_weights = 2 * self.target.vocab_size * H * 2
+        supervision = self.supervision
+        supervised = sum(t.bytes for t in supervision.device_terms(B, S, chunk_tokens)) if supervision else 0
+        answer = supervision.answer_bytes(B, S, len(self.layer_ids)) if supervision else 0
         fsdp, zero3 = layout.sharding == "fsdp2", layout.sharding == "zero3"
         gather = (self._fsdp2_gather(table, storage) if fsdp
                   else self._zero3_gather(table, storage, layout.world_size, self.target.family.lm_head) if zero3
@@ -324,17 +334,33 @@ class Sizer:
             role = rank if fsdp else tp_rank  # ZeRO-3: tp 1, every rank holds the same partition sizes
             if role not in by_role:
                 by_role[role] = self._rank_params(table, storage, layout.member(rank))
-            is_writer = tp_rank == 0
-            device, host = mm.writer_memory(micro_batch, is_writer=is_writer,
+            is_writer = tp_rank == 0  # run's writer, serve's listener: the TP group's first rank
+            device, host = mm.writer_memory(micro_batch, is_writer=is_writer and not answer,
                                             buffer_bytes=self.cfg.capture.writer_buffer_mib << 20)
+            host_bytes = host.bytes + (answer if is_writer else 0)  # serve writes no cache: its answer is on the host
+            reads_weights = rank == 0 or (is_writer and supervision is not None)
             estimates.append(RankEstimate(
                 rank=rank, tp_rank=tp_rank, ep_rank=rank % layout.ep_size, dp_rank=rank // layout.tp_size,
                 is_writer=is_writer, param_bytes_by_kind=by_role[role], activation_bytes=activation,
-                capture_bytes=capture, writer_device_bytes=device.bytes, writer_host_bytes=host.bytes,
+                capture_bytes=capture, writer_device_bytes=device.bytes, writer_host_bytes=host_bytes,
                 fsdp2_gather_bytes=gather, reserve_bytes=mm.RUNTIME_RESERVE_BYTES,
                 gather_name="ZeRO-3 gathered modules" if zero3 else "FSDP2 all-gathered layers",
-                host_bytes=host.bytes + capture_host + (target_weights if rank == 0 else 0)))
+                supervision_bytes=supervised if is_writer else 0,
+                host_bytes=host_bytes + capture_host + (target_weights if reads_weights else 0)))
         return estimates, largest, stack
+
+    def _capture_bytes(self, micro_batch_size: int, seq_length: int, chunk_tokens: int | None) -> tuple[float, int]:
+        """(device, host) bytes of one forward's captures: every hooked layer's output held (EAGLE-3's pre-norm
+        semantics hook layer L-1 too; DSpark's L-1 is the final norm's output, recorded anyway), collected in the
+        cache dtype, or in the compute dtype where the writing rank supervises from them (EAGLE-3)."""
+        last = self.target.num_hidden_layers - 1
+        held = sum(1 for i in self.layer_ids if self.pre_norm_last or i != last)
+        collected = DTYPE_BYTES[self.compute_dtype if self.supervision else self.cfg.recipe_args.cache_dtype]
+        term, host = mm.capture_terms(
+            micro_batch_size=micro_batch_size, seq_length=seq_length, hidden_size=self.target.hidden_size,
+            num_held=held, num_layer_ids=len(self.layer_ids), compute_bytes=DTYPE_BYTES[self.compute_dtype],
+            cache_bytes=collected, chunk_tokens=chunk_tokens)
+        return term.bytes, host
 
     def carried_state(self) -> CarriedState:
         """One row's carried state under chunked prefill, on any rank (a meta forward, counted once)."""
@@ -411,75 +437,3 @@ class Sizer:
         forward = max((chain(m) for m in own), default=0.0)
         load = max(own.values(), default=0.0) + max(blocks.values(), default=0.0)
         return max(forward, load)
-
-    # -- other layouts -------------------------------------------------------------------------------------------
-    def fitting_layouts(self, layout: Layout, storage: mm.ExpertStorage, budget: float,
-                        validate: Any, limit: int = 3, max_builds: int = 6) -> list[dict[str, Any]]:
-        """Layouts that fit: first a smaller micro-batch here, then larger ep (and other tp) on 1x, 2x, 4x, 8x the
-        world. At most ``max_builds`` new meta models are built (each takes about a second)."""
-        found: list[dict[str, Any]] = []
-        now = max(self.ranks(layout, storage)[0], key=lambda r: r.peak_bytes)
-        experts_now = now.param_bytes_by_kind["routed experts"]
-        for candidate in self._candidates(layout):
-            if len(found) >= limit:
-                break
-            # One per world, and none that only repeats a found layout's degrees on more ranks.
-            if any((f["world_size"], f["micro_batch_size"]) == (candidate.world_size, candidate.micro_batch_size)
-                   or (f["tp_size"], f["ep_size"], f["micro_batch_size"])
-                   == (candidate.tp_size, candidate.ep_size, candidate.micro_batch_size) for f in found):
-                continue
-            # TP never shards the routed experts: a candidate whose experts, reserve and capture buffers (linear in
-            # the micro-batch) already exceed the budget is skipped without building its model.
-            floor = (experts_now * layout.ep_size / candidate.ep_size + mm.RUNTIME_RESERVE_BYTES
-                     + now.capture_bytes * candidate.micro_batch_size / layout.micro_batch_size)
-            if floor > budget:
-                continue
-            if (not self.has_table(candidate.engine, candidate.tp_size, candidate.ep_size, candidate.world_size)
-                    and self.num_built >= max_builds):
-                continue
-            try:
-                validate(candidate)
-                worst = max(self.ranks(candidate, storage)[0], key=lambda r: r.peak_bytes)
-            except CaptureError:
-                continue
-            if worst.peak_bytes <= budget:
-                found.append({"layout": candidate.describe(), "engine": candidate.engine,
-                              "world_size": candidate.world_size, "tp_size": candidate.tp_size,
-                              "ep_size": candidate.ep_size, "micro_batch_size": candidate.micro_batch_size,
-                              "peak_bytes": int(worst.peak_bytes)})
-        return found
-
-    def _candidates(self, layout: Layout) -> list[Layout]:
-        """A smaller micro-batch here; then, keeping the recipe's tp before trying others, every larger ep on
-        1x, 2x, 4x and 8x the world (at most 512 ranks)."""
-        family, target = self.target.family, self.target
-        out = [replace(layout, micro_batch_size=b) for b in _halvings(layout.micro_batch_size)]
-        worlds = [w for w in (layout.world_size * m for m in (1, 2, 4, 8)) if w <= 512]
-        if layout.sharding == "zero3":  # the experts expert-parallel over every rank
-            return out + [Layout("deepspeed", w, 1, w, layout.micro_batch_size, zero_stage=3) for w in worlds[1:]
-                          if target.num_experts and target.num_experts % w == 0]
-        if layout.engine == "fsdp2" and layout.ep_size > 1:  # the experts expert-parallel over every rank
-            return out + [Layout("fsdp2", w, 1, w, layout.micro_batch_size) for w in worlds[1:]
-                          if target.num_experts and target.num_experts % w == 0]
-        if layout.engine == "fsdp2":
-            return out + [Layout("fsdp2", w, 1, 1, layout.micro_batch_size) for w in worlds[1:]]
-        tps = [layout.tp_size] + ([t for t in (1, 2, 4, 8) if t != layout.tp_size] if family.supports_tp else [])
-        for tp in tps:
-            for world in (w for w in worlds if w % tp == 0):
-                eps = [1]
-                if family.is_moe and family.supports_ep and target.num_experts:
-                    eps = [e for e in _divisors(target.num_experts) if e >= layout.ep_size and world % e == 0]
-                out.extend(Layout("deepspeed", world, tp, ep, layout.micro_batch_size) for ep in eps)
-        return [c for c in out if c != layout]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _halvings(n: int) -> list[int]:
-    out = []
-    while n > 1:
-        n //= 2
-        out.append(n)
-    return out

@@ -23,6 +23,9 @@ RUNTIME_RESERVE_BYTES = 3 * GIB
 """A flat allowance per GPU for the CUDA context, NCCL communicators, cuBLAS workspaces and allocator slack
 (not measured here: no GPU was available; typical figures are 0.5-1 GiB of context plus 1-2 GiB of NCCL)."""
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of the compute and cache dtypes, by their recipe names."""
+
 DEFAULT_GPU_MEMORY_GIB = 79.6
 """The budget when no CUDA device is visible: an 80 GB H100 / A100 (torch reports 85.5e9 bytes, 79.6 GiB)."""
 
@@ -238,13 +241,6 @@ def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, n
                 f"{num_held} hooked layer outputs held during the forward + the collected states"), 0
 
 
-def micro_batch_bytes(*, micro_batch_size: int, seq_length: int, hidden_size: int, num_layer_ids: int,
-                      cache_bytes: int) -> int:
-    """One micro-batch of captured rows as the writer holds it: states in the cache dtype + int64 ids and mask."""
-    per_row = seq_length * (hidden_size * (num_layer_ids + 1) * cache_bytes + 2 * 8)
-    return micro_batch_size * per_row
-
-
 def writer_memory(micro_batch: int, *, is_writer: bool, buffer_bytes: int) -> tuple[Term, Term]:
     """(device, host) memory of one rank's shard writer.
 
@@ -268,9 +264,14 @@ def cache_bytes_per_sample(*, seq_length: int, hidden_size: int, num_layer_ids: 
     return seq_length * (2 * 8 + hidden_size * (num_layer_ids + 1) * cache_bytes)
 
 
-def cache_bytes_unpadded(num_tokens: list[int], *, hidden_size: int, num_layer_ids: int, cache_bytes: int) -> int:
-    """The rows if padding were not stored: every content token's ids, mask and states, nothing past it."""
-    return sum(num_tokens) * (2 * 8 + hidden_size * (num_layer_ids + 1) * cache_bytes)
+def eagle3_row_bytes(*, seq_length: int, hidden_size: int, num_layer_ids: int, cache_bytes: int,
+                     draft_vocab_size: int, target_probs_topk: int) -> int:
+    """One row of an EAGLE-3 v2 shard, padded to S: ``input_ids``, ``attention_mask``, ``loss_mask`` (int64),
+    ``aux_hidden_states`` ``[S, k*H]`` (cache dtype), ``position_mask`` (bool), and ``target_probs`` ``[S, Vd]`` in
+    the cache dtype, or its top-k values (cache dtype) + int32 indices ``[S, topk]`` where 0 < topk < Vd."""
+    compressed = 0 < target_probs_topk < draft_vocab_size
+    probs = target_probs_topk * (cache_bytes + 4) if compressed else draft_vocab_size * cache_bytes
+    return seq_length * (3 * 8 + num_layer_ids * hidden_size * cache_bytes + 1 + probs)
 
 
 def target_weights_bytes(*, vocab_size: int, hidden_size: int, cache_bytes: int) -> int:

@@ -20,13 +20,17 @@ _CARRIED_HOW = {"counted": "a meta forward's cache", "bound": "keys and values o
 
 def format_report(report: Any) -> str:
     t, layout = report.target, report.layout
+    serve = report.driver == "serve"
     lines = [
-        f"ds-capture plan {report.source}: {t.model_type}, {report.total_params / 1e9:,.1f}B parameters, "
+        f"ds-capture plan {report.source}{' --serve' if serve else ''}: {t.model_type}, "
+        f"{report.total_params / 1e9:,.1f}B parameters, "
         f"{t.num_hidden_layers} layers, hidden {t.hidden_size}"
         + (f", {t.num_experts} routed experts" if t.num_experts else ""),
-        f"  layout: {layout.describe()} x seq_length {report.seq_length}; compute {report.compute_dtype}, "
-        f"cache {report.cache_dtype}; experts stored as {report.expert_storage.format} "
-        f"({report.expert_storage.detail}); layer ids {report.layer_ids}",
+        f"  layout: {layout.describe()} x seq_length {report.seq_length}"
+        + (f" (serve: --max-batch-rows {layout.micro_batch_size} rows per forward)" if serve else "")
+        + f"; compute {report.compute_dtype}, cache {report.cache_dtype}; experts stored as "
+        f"{report.expert_storage.format} ({report.expert_storage.detail}); "
+        f"{'aux layer ids' if report.supervision else 'layer ids'} {report.layer_ids}",
         f"  budget: {_gib(report.budget_bytes)} per GPU ({report.budget_source})",
         *([f"  chunked prefill: rows forwarded in chunks of {report.chunk_tokens} tokens; each row's carried state "
            f"{_gib(report.carried_state['bytes_per_row'])} per rank at S ({report.carried_state['how']}: "
@@ -35,11 +39,12 @@ def format_report(report: Any) -> str:
         "  per rank, GiB (parameters counted from the sharded meta model; activations are an estimate):",
         "  " + f"{'ranks':>24} " + " ".join(f"{h:>10}" for h in [*(_SHORT[k] for k in KINDS), "params", "activ.", "capture",
                                               "reserve", "zero3 ag" if layout.sharding == "zero3" else "fsdp2 ag",
-                                              "peak", "host", "fits"]),
+                                              *(["superv."] if report.supervision else []), "peak", "host", "fits"]),
     ]
     for ranks, estimate in _groups(report.ranks):
         figures = [*(estimate.param_bytes_by_kind[k] for k in KINDS), estimate.param_bytes, estimate.activation_bytes,
-                   estimate.capture_bytes, estimate.reserve_bytes, estimate.fsdp2_gather_bytes, estimate.peak_bytes,
+                   estimate.capture_bytes, estimate.reserve_bytes, estimate.fsdp2_gather_bytes,
+                   *([estimate.supervision_bytes] if report.supervision else []), estimate.peak_bytes,
                    estimate.host_bytes]
         fits = "yes" if estimate.peak_bytes <= report.budget_bytes else "NO"
         lines.append("  " + f"{_ranks(ranks):>24} " + " ".join(f"{v / mm.GIB:>10.2f}" for v in figures)
@@ -50,9 +55,8 @@ def format_report(report: Any) -> str:
         f"  activation peak (estimate): {_gib(report.worst.activation_bytes)}; largest term: {largest.name} "
         f"{_gib(largest.bytes)} ({largest.note}); through the stack: "
         + ", ".join(f"{term.name} {_gib(term.bytes)}" for term in report.activation_terms),
-        f"  writer: 0 on the device after each forward; host {_gib(max(r.writer_host_bytes for r in report.ranks))} "
-        "per writing rank (capture.writer_buffer_mib, at least one micro-batch); rank 0 also reads the embedding and "
-        "lm_head on the host",
+        *_supervision_lines(report),
+        _writer_line(report),
         "",
         f"  {'FITS' if report.fits else 'DOES NOT FIT'}: {report.reason()}",
     ]
@@ -62,16 +66,38 @@ def format_report(report: Any) -> str:
                      f"{'fits' if option['fits'] else 'does NOT fit'}")
     for option in report.alternatives:
         lines.append(f"  would fit: {option['layout']} (peak {_gib(option['peak_bytes'])})")
-    cache = report.cache
-    line = f"  cache: {_mib(cache['bytes_per_sample'])} per sample (padded to S, as format v1 stores rows)"
-    if cache["total_bytes"] is not None:
-        line += (f"; {cache['num_samples']:,} samples: {_gib(cache['total_bytes'])} with target weights; "
-                 f"without stored padding ~{_gib(cache['unpadded_total_bytes'])} (mean "
-                 f"{cache['lengths']['mean_tokens']} tokens per row, {cache['lengths']['how']})")
-    else:
-        line += f"; {cache['note']}"
-    lines.append(line)
+    if report.cache is not None:
+        lines.append(_cache_line(report.cache))
     return "\n".join(lines)
+
+
+def _supervision_lines(report: Any) -> list[str]:
+    """EAGLE-3's supervising ranks (each TP group's first: run's writers, serve's listeners): their terms."""
+    terms = report.supervision_terms()
+    if terms is None:
+        return []
+    who = "listening rank (serve)" if report.driver == "serve" else "writing rank"
+    return [f"  supervision (each {who}): the whole lm_head {_gib(terms['lm_head_bytes'])} + one chunk of "
+            f"full-vocabulary logits ({terms['logits_positions']:,} positions, draft vocabulary "
+            f"{terms['draft_vocab_size']:,}) {_gib(terms['logits_bytes'])} at its peak"]
+
+
+def _writer_line(report: Any) -> str:
+    host = _gib(max(r.writer_host_bytes for r in report.ranks))
+    if report.driver == "serve":
+        return (f"  answer: {host} on the host per listening rank (one forward's aux states and fp32 target_probs over "
+                "the whole vocabulary); each listener also holds the embedding and lm_head on the host")
+    return (f"  writer: 0 on the device after each forward; host {host} per writing rank (capture.writer_buffer_mib, "
+            "at least one micro-batch); rank 0 also reads the embedding and lm_head on the host")
+
+
+def _cache_line(cache: dict[str, Any]) -> str:
+    line = f"  cache: {_mib(cache['bytes_per_sample'])} per sample (padded to S, as {cache['format']} stores rows)"
+    if cache["total_bytes"] is not None:
+        return line + (f"; {cache['num_samples']:,} samples: {_gib(cache['total_bytes'])} with target weights; "
+                       f"without stored padding ~{_gib(cache['unpadded_total_bytes'])} (mean "
+                       f"{cache['lengths']['mean_tokens']} tokens per row, {cache['lengths']['how']})")
+    return line + f"; {cache['note']}"
 
 
 def _groups(ranks: list) -> list[tuple[list[int], Any]]:
@@ -128,11 +154,12 @@ def header_lines(report: Any) -> list[str]:
         f"#       + activations ~{worst.activation_bytes / mm.GIB:.1f} (estimate; largest: {report.activation_largest.name})"
         f" + capture {worst.capture_bytes / mm.GIB:.1f} + reserve {worst.reserve_bytes / mm.GIB:.1f}"
         + (f" + {'ZeRO-3 gathers' if report.layout.sharding == 'zero3' else 'FSDP2 all-gathers'} "
-           f"{worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else ""),
+           f"{worst.fsdp2_gather_bytes / mm.GIB:.1f}" if worst.fsdp2_gather_bytes else "")
+        + (f" + supervision {worst.supervision_bytes / mm.GIB:.1f}" if worst.supervision_bytes else ""),
         f"#       = {worst.peak_bytes / mm.GIB:.1f} of {report.budget_bytes / mm.GIB:.1f}: "
         f"{'fits' if report.fits else 'does NOT fit'}; largest consumer: {name} {value / mm.GIB:.1f}",
         f"#     writer host memory {max(r.writer_host_bytes for r in report.ranks) / mm.GIB:.1f} GiB per writing rank; "
-        f"cache {report.cache['bytes_per_sample'] / (1 << 20):.1f} MiB per sample",
+        + (f"cache {report.cache['bytes_per_sample'] / (1 << 20):.1f} MiB per sample" if report.cache else "no cache"),
     ]
     for option in report.storage_alternatives:
         lines.append(f"#     with capture.expert_storage: {option['expert_storage']} ({option['format']}): peak "

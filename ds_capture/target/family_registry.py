@@ -26,6 +26,15 @@ _AUTOTP_EMPTY_SHARD = (
     "which leaves a rank an empty shard, so this family has no tensor-parallel layout. Keep tp_size 1 and {instead}."
 )
 _USE_EP = "shard the routed experts with ep_size instead (data parallel x expert parallel)"
+_SHARED_EXPERT_GATE = "the shared-expert gate (mlp.shared_expert_gate)"
+_KDA_FORGET_GATE = "the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)"
+
+
+def _no_autotp(refusal: str, what: str, model_type: str) -> dict:
+    """A family AutoTP cannot shard (``refusal``: it mis-shards ``what``, or leaves a rank an empty shard of it):
+    no tensor-parallel layout, expert parallelism the way to shard it."""
+    return {"supports_tp": False, "tp_refusal": refusal.format(what=what, model_type=model_type, instead=_USE_EP)}
+
 _USE_DP_OR_FSDP2 = "scale with data parallelism, or shard every parameter over the ranks with engine: fsdp2"
 _DENSE_ONLY = (
     "model_type {model_type!r} is registered as a dense family here: it has no routed experts to shard. "
@@ -161,18 +170,14 @@ FAMILIES: dict[str, Family] = {
             final_norm="model.language_model.norm", embed_tokens="model.language_model.embed_tokens",
             embed_weight_key="model.language_model.embed_tokens.weight",
             moe_block="mlp", num_experts_key="num_experts",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
-                                                   model_type="qwen3_5_moe", instead=_USE_EP),
+            **_no_autotp(_AUTOTP_EMPTY_SHARD, _SHARED_EXPERT_GATE, "qwen3_5_moe"),
             chunk_multiple=_LINEAR_ATTENTION_BLOCK,
         ),
         # Qwen3-Next: Gated DeltaNet linear attention on 3 of 4 layers.
         Family(
             model_type="qwen3_next", moe_block="mlp", num_experts_key="num_experts",
             chunk_multiple=_LINEAR_ATTENTION_BLOCK,
-            supports_tp=False,
-            tp_refusal=_AUTOTP_EMPTY_SHARD.format(what="the shared-expert gate (mlp.shared_expert_gate)",
-                                                   model_type="qwen3_next", instead=_USE_EP),
+            **_no_autotp(_AUTOTP_EMPTY_SHARD, _SHARED_EXPERT_GATE, "qwen3_next"),
         ),
         # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer, which AutoTP mis-shards (self_attn.indexer.wk): TP is our
         # own head-parallel MLA plan, the indexer replicated.
@@ -181,17 +186,14 @@ FAMILIES: dict[str, Family] = {
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the all-head q/k norms (self_attn.q_norm, self_attn.k_norm)",
-                                                model_type="minimax_m2", instead=_USE_EP),
+            **_no_autotp(_AUTOTP_MISSHARDS, "the all-head q/k norms (self_attn.q_norm, self_attn.k_norm)",
+                         "minimax_m2"),
         ),
         # Kimi-Linear: KDA linear attention (short convolutions over the projected channels) and MLA.
         Family(
             model_type="kimi_linear", moe_block="mlp", num_experts_key="num_local_experts",
             chunk_multiple=_LINEAR_ATTENTION_BLOCK,
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
-                                                model_type="kimi_linear", instead=_USE_EP),
+            **_no_autotp(_AUTOTP_MISSHARDS, _KDA_FORGET_GATE, "kimi_linear"),
         ),
         # gpt-oss: the router is `mlp.router`; attention sinks are computed by the eager attention only here.
         Family(
@@ -211,9 +213,7 @@ FAMILIES: dict[str, Family] = {
             moe_block="mlp", num_experts_key="n_routed_experts", reduce_layer_output=mean_over_hyper_connections,
             caveat=_DSA_TIES.format(two="6.0", sixteen="1e-5"),
             chunk_multiple=_LINEAR_ATTENTION_BLOCK,
-            supports_tp=False,
-            tp_refusal=_AUTOTP_MISSHARDS.format(what="the KDA forget gate (self_attn.forget_gate.f_a_proj, f_b_proj)",
-                                                model_type="glm5_next", instead=_USE_EP),
+            **_no_autotp(_AUTOTP_MISSHARDS, _KDA_FORGET_GATE, "glm5_next"),
         ),
         # Llama 4 is released as its vision-language wrapper, whose forward needs image outputs: the text model
         # (Llama4ForCausalLM) is built from text_config and read from the `language_model.` keys; the vision

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_capture.parallel.resolve import layout_of
 from ds_capture.recipe.config import parse_config
 from ds_capture.sizing.count import Layout, Sizer
 from ds_capture.target.families import read_target_info
@@ -49,10 +50,13 @@ def _sizer(target_dir: Path) -> Sizer:
     return Sizer(cfg, read_target_info(target_dir), [1, 2], "fp32", tp_grain_size=1)
 
 
-def _layout(case: dict, world: int) -> Layout:
+def _layout(case: dict, world: int, sizer: Sizer) -> Layout:
+    """The case's layout as the session resolves it (:func:`~ds_capture.parallel.resolve.layout_of`), as plan sizes it."""
     zero3 = case["engine"] == "zero3"
-    return Layout("deepspeed" if zero3 else case["engine"], world, case["tp_size"], case["ep_size"], 1,
-                  zero_stage=3 if zero3 else 0)
+    engine = "deepspeed" if zero3 else case["engine"]
+    parallel = layout_of(sizer.target, engine=engine, zero_stage=3 if zero3 else 0, world_size=world, rank=0,
+                         tp_size=case["tp_size"], ep_size=case["ep_size"], expert_storage=None)
+    return Layout.of(parallel, engine, 1)
 
 
 def _run(cases: list[dict], world: int, tmp_path: Path, timeout_s: int) -> list[dict]:
@@ -72,7 +76,7 @@ def _compare(results: list[dict], world: int) -> list[str]:
     rows = []
     for case in sorted(results, key=lambda c: (c["index"], c["rank"])):
         sizer = sizers.setdefault(case["target"], _sizer(Path(case["target"])))
-        layout = _layout(case, world)
+        layout = _layout(case, world, sizer)
         planned = {name: list(value) for name, value in sizer.rank_tensors(layout, case["rank"]).items()}
         label = f"{case['label']} ({sizer.target.model_type}, {layout.describe()}) rank {case['rank']}"
         packed_bytes = planned_packed = 0

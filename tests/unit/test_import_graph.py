@@ -23,6 +23,7 @@ FLOORS = [
     ("ds_capture.errors", 0),
     ("ds_capture.durable", 0),  # fsync of a directory: the cache writers and regenerate's journal
     ("ds_capture.demo", 1),
+    ("ds_capture.demo_configs", 0.5),  # the demo's tiny configs (data), below the demo
     ("ds_capture.recipe", 2),
     ("ds_capture.data", 3),
     ("ds_capture.regenerate", 3.5),  # a driver that needs only the data stage: the server holds the target

@@ -46,6 +46,7 @@ class DSparkKind:
     """NeMo's DSpark offline cache (format v1): hidden states of chosen layers, manifest ``complete`` flag."""
 
     pre_norm_last = False
+    supervised = False
     """Layer id L-1 is the post-final-norm state (DESIGN §3)."""
 
     def __init__(self, cfg: RunConfig) -> None:

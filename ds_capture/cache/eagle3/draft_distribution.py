@@ -45,6 +45,9 @@ def logits_mismatch(ours: torch.Tensor, output, compute_dtype: torch.dtype) -> s
 LOGITS_CHUNK_BYTES = 64 * 2**20
 """Upper bound on one chunk's fp32-sized logits (C positions x V); the distribution's working memory."""
 
+ROW_LOGITS_CHUNK_BYTES = 256 * 2**20
+"""``serve``'s bound on one chunk of whole rows' fp32-sized logits (b rows x S x V); at least one row."""
+
 
 def count_supervised_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int64 [V]: how often each id occurs at ``loss_mask == 1`` (unshifted rows); ids outside [0, V) dropped."""
@@ -113,7 +116,26 @@ def chunk_positions(vocab_size: int) -> int:
     return max(1, LOGITS_CHUNK_BYTES // (vocab_size * 4))
 
 
-class DraftDistribution:
+def rows_per_chunk(seq_length: int, vocab_size: int) -> int:
+    """Whole rows per logits chunk in ``serve`` (:data:`ROW_LOGITS_CHUNK_BYTES`; at least one row)."""
+    return max(1, ROW_LOGITS_CHUNK_BYTES // (seq_length * vocab_size * 4))
+
+
+class FullLogits:
+    """The whole lm_head ``[V, H]`` in the compute dtype on the compute device (read from the checkpoint, so every
+    layout multiplies the same matrix the same way); what the cache's distribution and serve's supervision share."""
+
+    def __init__(self, lm_head: torch.Tensor) -> None:
+        self.lm_head = lm_head
+        self.vocab_size = int(lm_head.shape[0])
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits of hidden states [..., H], as the model's own lm_head computes them (on its device: a
+        chunked row's states reach the kind on the host)."""
+        return F.linear(last.to(self.lm_head.device), self.lm_head)
+
+
+class DraftDistribution(FullLogits):
     """The shifted EAGLE-3 supervision of one micro-batch from its final hidden states and the lm_head.
 
     ``lm_head`` is the full [V, H] matrix in the compute dtype on the compute device (read from the
@@ -123,8 +145,7 @@ class DraftDistribution:
 
     def __init__(self, lm_head: torch.Tensor, selected_token_ids: list[int], *, target_probs_topk: int,
                  cache_dtype: torch.dtype) -> None:
-        self.lm_head = lm_head
-        self.vocab_size = int(lm_head.shape[0])
+        super().__init__(lm_head)
         self.selected = torch.tensor(selected_token_ids, dtype=torch.long, device=lm_head.device)
         self.selected_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=lm_head.device)
         self.selected_mask[self.selected] = True
@@ -136,11 +157,6 @@ class DraftDistribution:
         # on the same device (the order top-k gives exact ties is the backend's).
         uniform = torch.softmax(torch.zeros(1, self.draft_vocab_size, device=lm_head.device), dim=-1)
         self._filler = {name: value.cpu() for name, value in self._encode(uniform).items()}
-
-    def logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[..., V] logits of hidden states [..., H], as the model's own lm_head computes them (on its device: a
-        chunked row's states reach the kind on the host)."""
-        return F.linear(last.to(self.lm_head.device), self.lm_head)
 
     def compute(self, last: torch.Tensor, loss_mask: torch.Tensor, num_tokens: torch.Tensor,
                 seq_length: int) -> dict[str, torch.Tensor]:

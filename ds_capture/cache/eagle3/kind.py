@@ -84,6 +84,7 @@ class Eagle3Kind:
     """The EAGLE-3 cache kind (see the module docstring); one instance per run."""
 
     pre_norm_last = True
+    supervised = True
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
