@@ -98,7 +98,7 @@ def test_plan_counts_the_state_k3s_carriers_hold(k3_release):
     assert counted.how == "declared" and counted.transient_bytes > 0
     model = nemo_k3_release.nemo_reference(k3_release, torch.float32)
     input_ids = torch.randint(3, 100, (1, seq_length))
-    with torch.no_grad(), carried_state(model, target.family.chunk_carriers) as carriers:
+    with torch.no_grad(), carried_state(model, target.family.chunk_carriers, seq_length) as carriers:
         for start in range(0, seq_length, 128):
             model(input_ids=input_ids[:, start:start + 128], logits_to_keep=1)
         state = {c: [t for t in (*getattr(c, "conv_tails", {}).values(), getattr(c, "recurrent", None),
@@ -153,7 +153,7 @@ class _Recorder(torch.nn.Module):
 class _CountingCarrier:
     chunks_seen: list[int] = []
 
-    def __init__(self, module) -> None:
+    def __init__(self, module, row_tokens) -> None:
         self.chunks = 0
 
     def forward(self, x):
