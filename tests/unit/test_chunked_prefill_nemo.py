@@ -143,13 +143,16 @@ def v41_records(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: i
         if value is not None:
             records.setdefault(name, []).append(value.detach().clone())
 
+    def keep_selection(index: str, output) -> None:  # a forward hook: returns None (the output stays)
+        keep(f"top-k {index}", output.state.topk_indices)
+        keep(f"candidates {index}", output.state.candidates)
+
     handles = []
     for index, layer in model.model.layers.items():
         handles.append(layer.attn_hc.register_forward_hook(
             lambda module, args, output, index=index: keep(f"streams {index}", args[0])))
         handles.append(layer.attn.register_forward_hook(
-            lambda module, args, output, index=index: (keep(f"top-k {index}", output.state.topk_indices),
-                                                       keep(f"candidates {index}", output.state.candidates))))
+            lambda module, args, output, index=index: keep_selection(index, output)))
     try:
         with torch.no_grad():
             if chunk_tokens is None:
