@@ -12,8 +12,7 @@ Llama 4's chunked local attention; the index keys of DSA indexers (GLM-5, DeepSe
 is then taken over its whole causal prefix; DeepSeek-V4's compressor buffers; the recurrent and convolution
 state of Gated DeltaNet and KDA layers (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, GLM-5-Next). The family declares
 as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks, DeepSeek-V4.1's
-compression groups) and which
-families carry nothing yet (:attr:`Family.chunk_refusal`). NeMo's classes take no cache: a NeMo-built family
+compression groups) and which families carry nothing (:attr:`Family.chunk_refusal`; none today). NeMo's classes take no cache: a NeMo-built family
 declares one carrier per layer kind (:attr:`Family.chunk_carriers`), which :func:`carried_state` puts in front of
 NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`; DeepSeek-V4.1:
 :mod:`ds_capture.target.nemo_v41_chunks`).
