@@ -232,6 +232,31 @@ def test_plan_counts_the_state_v41s_carriers_hold(v41_release):
     assert carried_state_bytes(target, 2 * seq_length, 4).bytes_per_row == real + growing
 
 
+@pytest.mark.parametrize("world_size, gpu_memory_gib", [(16, 79.6), (8, 131.3)])
+def test_v41_flash_rows_of_128k_tokens_fit_its_4k_gpus_in_chunks(world_size, gpu_memory_gib):
+    """``ds-capture plan`` at release size (configs/deepseek_v41.yaml's layout, bf16, one row of 131,072 tokens):
+    whole rows need terabytes (the dense bias is ``[64, S, 2 S + 1]`` fp32), while ``auto``'s chunk fits the GPUs of
+    today's 4K rows: no term of the chunk's attention grows with S squared."""
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
+
+    repo = Path(__file__).resolve().parents[2]
+    seq_length = 131072
+
+    def plan(setting):
+        cfg = load_config(repo / "configs" / "deepseek_v41.yaml", [
+            f"recipe_args.target_model_name_or_path={repo / 'tests/fixtures/release_configs/deepseek_v41'}",
+            f"distributed.ep_size={world_size}", f"recipe_args.seq_length={seq_length}",
+            f"capture.chunked_prefill={setting}"])
+        return plan_capture(cfg, world_size=world_size, gpu_memory_gib=gpu_memory_gib, suggest=False,
+                            count_dataset=False)
+
+    whole, chunked = plan("off"), plan("auto")
+    assert not whole.fits and whole.worst.activation_bytes > 2 ** 40
+    assert chunked.fits and chunked.chunk_tokens and chunked.chunk_tokens % 2 == 0, chunked.reason()
+    assert chunked.carried_state["how"] == "declared"
+
+
 def test_a_mask_with_padding_before_content_is_refused_and_right_padding_is_dropped():
     """A client's mask (serve) under a NeMo family's chunks: right padding is dropped (content never sees it), padding
     before content is refused before any chunk runs."""
