@@ -15,8 +15,9 @@ DeepSeek-V4.1 (NeMo's class, the carriers of :mod:`ds_capture.target.nemo_v41_ch
 tests/nemo_v41_release.py: sliding-window, ratio-2 and ratio-1 compressed layers, a key-owning, a reindexing and a
 candidate-source indexer, Engram at layers 1 and 3): NeMo's own model over a row of 2,048 tokens whole and in chunks
 of 256 and 300, every indexer's top-k set and the candidate blocks identical per query, the streams within 1e-5; the
-cache in chunks equal to the whole-row cache (DSpark; V4.1 has no EAGLE-3 contract). CI: the model-level test and one
-row's cache at chunk 300; with ``--full``: two rows, both chunks.
+cache in chunks equal to the whole-row cache (DSpark; V4.1 has no EAGLE-3 contract). Measured: worst 1.5e-7 (NeMo's
+forward), 1.8e-7 (the cache). CI: the model-level test, plan's carried state and plan at 131,072 tokens on 16 x 80 GB;
+with ``--full``: two rows' caches at both chunks, plan on 8 x 141 GB.
 """
 
 from __future__ import annotations
@@ -188,17 +189,11 @@ def test_v41_chunks_equal_nemos_own_whole_row_forward(v41_release):
         assert worst <= 1e-5, (chunk, worst)
 
 
-def test_v41_chunked_dspark_cache_equals_the_whole_row(v41_release, long_data, tmp_path):
-    whole = capture(v41_release, long_data, tmp_path / "whole", "off", num_rows=1, layer_ids=V41_LAYER_IDS)
-    assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the row is long: supervised tokens past S/2"
-    ours = capture(v41_release, long_data, tmp_path / "c300", 300, num_rows=1, layer_ids=V41_LAYER_IDS)
-    assert_equal_caches(ours, whole, "dspark 300", "deepseek_v41")
-
-
 @pytest.mark.slow
 def test_v41_chunked_caches_equal_the_whole_rows(v41_release, long_data, tmp_path):
     """Two rows in one micro-batch, chunks of 256 and 300 (DeepSeek-V4.1 has no EAGLE-3 contract: DSpark only)."""
     whole = capture(v41_release, long_data, tmp_path / "whole", "off", num_rows=2, layer_ids=V41_LAYER_IDS)
+    assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the rows are long: supervised tokens past S/2"
     for chunk in (256, 300):
         ours = capture(v41_release, long_data, tmp_path / f"c{chunk}", chunk, num_rows=2, layer_ids=V41_LAYER_IDS)
         assert_equal_caches(ours, whole, f"dspark {chunk}", "deepseek_v41")
@@ -232,7 +227,7 @@ def test_plan_counts_the_state_v41s_carriers_hold(v41_release):
     assert carried_state_bytes(target, 2 * seq_length, 4).bytes_per_row == real + growing
 
 
-@pytest.mark.parametrize("world_size, gpu_memory_gib", [(16, 79.6), (8, 131.3)])
+@pytest.mark.parametrize("world_size, gpu_memory_gib", [(16, 79.6), pytest.param(8, 131.3, marks=pytest.mark.slow)])
 def test_v41_flash_rows_of_128k_tokens_fit_its_4k_gpus_in_chunks(world_size, gpu_memory_gib):
     """``ds-capture plan`` at release size (configs/deepseek_v41.yaml's layout, bf16, one row of 131,072 tokens):
     whole rows need terabytes (the dense bias is ``[64, S, 2 S + 1]`` fp32), while ``auto``'s chunk fits the GPUs of
