@@ -101,24 +101,33 @@ def test_k3_chunked_caches_of_both_kinds_equal_the_whole_rows(k3_release, long_d
         assert_equal_caches(ours, whole, f"{kind} {chunk}")
 
 
-def test_plan_counts_the_state_k3s_carriers_hold(k3_release):
-    """plan's carried state at S (the carriers' declared shapes on the meta model) is what the carriers of a real
-    chunked forward hold after its last chunk, to the byte; one KDA layer's state does not grow with S."""
+def counted_and_carried(release: Path, writer, seq_length: int, *, vocab: int):
+    """(the target, plan's carried state at ``seq_length`` in fp32, the family's carriers after NeMo's own model
+    forwarded a random row of ``seq_length`` tokens through them in chunks of 128)."""
     from ds_capture.capture.chunked import carried_state
     from ds_capture.sizing.carried_state import carried_state_bytes
     from ds_capture.target.families import read_target_info
 
-    target = read_target_info(k3_release)
-    seq_length = 384
+    target = read_target_info(release)
     counted = carried_state_bytes(target, seq_length, 4)
     assert counted.how == "declared" and counted.transient_bytes > 0
-    model = nemo_k3_release.nemo_reference(k3_release, torch.float32)
-    input_ids = torch.randint(3, 100, (1, seq_length))
+    model = writer.nemo_reference(release, torch.float32)
+    input_ids = torch.randint(3, vocab, (1, seq_length))
     with torch.no_grad(), carried_state(model, target.family.chunk_carriers, seq_length) as carriers:
         for start in range(0, seq_length, 128):
             model(input_ids=input_ids[:, start:start + 128], logits_to_keep=1)
-        state = {c: [t for t in (*getattr(c, "conv_tails", {}).values(), getattr(c, "recurrent", None),
-                                 getattr(c, "latent", None)) if t is not None] for c in carriers}
+    return target, counted, carriers
+
+
+def test_plan_counts_the_state_k3s_carriers_hold(k3_release):
+    """plan's carried state at S (the carriers' declared shapes on the meta model) is what the carriers of a real
+    chunked forward hold after its last chunk, to the byte; one KDA layer's state does not grow with S."""
+    from ds_capture.sizing.carried_state import carried_state_bytes
+
+    target, counted, carriers = counted_and_carried(k3_release, nemo_k3_release, 384, vocab=100)
+    seq_length = 384
+    state = {c: [t for t in (*getattr(c, "conv_tails", {}).values(), getattr(c, "recurrent", None),
+                             getattr(c, "latent", None)) if t is not None] for c in carriers}
     real = sum(t.numel() * t.element_size() for tensors in state.values() for t in tensors)
     latent = sum(c.latent.numel() * c.latent.element_size() for c in carriers if hasattr(c, "latent"))
     assert sorted(type(c).__name__ for c in carriers) == ["KdaCarrier"] * 3 + ["LatentKvCarrier"]
@@ -202,22 +211,13 @@ def test_v41_chunked_caches_equal_the_whole_rows(v41_release, long_data, tmp_pat
 def test_plan_counts_the_state_v41s_carriers_hold(v41_release):
     """plan's carried state at S is what V4.1's carriers hold after a real chunked forward's last chunk, to the
     byte: window tails (which do not grow), compressed KV and index keys (which grow with S), Engram's context."""
-    from ds_capture.capture.chunked import carried_state
     from ds_capture.sizing.carried_state import carried_state_bytes
-    from ds_capture.target.families import read_target_info
 
-    target = read_target_info(v41_release)
+    target, counted, carriers = counted_and_carried(v41_release, nemo_v41_release, 384, vocab=60)
     seq_length = 384
-    counted = carried_state_bytes(target, seq_length, 4)
-    assert counted.how == "declared" and counted.transient_bytes > 0
-    model = nemo_v41_release.nemo_reference(v41_release, torch.float32)
-    input_ids = torch.randint(3, 60, (1, seq_length))
-    with torch.no_grad(), carried_state(model, target.family.chunk_carriers, seq_length) as carriers:
-        for start in range(0, seq_length, 128):
-            model(input_ids=input_ids[:, start:start + 128], logits_to_keep=1)
-        state = [t for c in carriers for t in (getattr(c, "window_kv", None), getattr(c, "compressed_kv", None),
-                                               getattr(c, "index_keys", None), getattr(c, "context", None))
-                 if t is not None]
+    state = [t for c in carriers for t in (getattr(c, "window_kv", None), getattr(c, "compressed_kv", None),
+                                           getattr(c, "index_keys", None), getattr(c, "context", None))
+             if t is not None]
     real = sum(t.numel() * t.element_size() for t in state)
     assert sorted(type(c).__name__ for c in carriers) == ["CsaCarrier"] * 6 + ["EngramContextCarrier"]
     assert counted.bytes_per_row == real, (counted, real)
