@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ds_capture.errors import CaptureError
+
 NEMO_V41_ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
 
 
@@ -95,7 +97,12 @@ class CsaCarrier:
             raise AssertionError(f"DeepSeek-V4.1's carrier computes NeMo's dense path, not {module.backend.attn!r}")
         batch, length, _ = hidden_states.shape
         ratio = module.compress_ratio
-        assert not ratio or self.offset % ratio == 0, f"a chunk ended inside a compression group of {ratio} tokens"
+        if ratio and self.offset % ratio:
+            # Family.chunk_multiple covers the release's ratios (1, 2); a config with larger ones needs larger chunks.
+            raise CaptureError(
+                f"capture.chunked_prefill: the row's chunks so far end at token {self.offset}, inside a compression "
+                f"group of layer {module.layer_idx} (compress_ratio {ratio}), whose compressed key would be pooled "
+                f"from two chunks. Use a chunk that is a multiple of {ratio}, or off.")
         positions = torch.arange(self.offset, self.offset + length, device=hidden_states.device)  # [C], global
         angles = module.rotary_emb(positions.expand(batch, -1))
         query_latent = module.q_norm(module.wq_a(hidden_states))
