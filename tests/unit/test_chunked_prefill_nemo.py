@@ -198,6 +198,24 @@ def test_v41_chunks_equal_nemos_own_whole_row_forward(v41_release):
         assert worst <= 1e-5, (chunk, worst)
 
 
+def test_v41_chunk_inside_a_compression_group_is_refused(v41_release):
+    """A chunk that is not a multiple of a layer's compress ratio (resolve_chunk_tokens refuses it for the release's
+    ratios before loading; a config with larger ones reaches the carrier) is refused, not pooled across chunks."""
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.errors import CaptureError
+    from ds_capture.target.families import get_family
+
+    model = nemo_v41_release.nemo_reference(v41_release, torch.float32)
+    with pytest.raises(CaptureError) as caught, torch.no_grad():
+        forward_in_chunks(model, {"input_ids": torch.randint(3, 60, (1, 64))}, 15, {"logits_to_keep": 1},
+                          carriers=get_family("deepseek_v41").chunk_carriers)
+    assert str(caught.value) == (
+        "capture.chunked_prefill: the row's chunks so far end at token 15, inside a compression group of layer 2 "
+        "(compress_ratio 2), whose compressed key would be pooled from two chunks. Use a chunk that is a multiple "
+        "of 2, or off.")
+    assert "forward" not in vars(model.model.layers["2"].attn), "the module's own forward is back"
+
+
 @pytest.mark.slow
 def test_v41_chunked_caches_equal_the_whole_rows(v41_release, long_data, tmp_path):
     """Two rows in one micro-batch, chunks of 256 and 300 (DeepSeek-V4.1 has no EAGLE-3 contract: DSpark only)."""
