@@ -1,20 +1,24 @@
 """Chunked prefill: time and peak memory of long rows forwarded whole vs in chunks, side by side in one run.
 
 In: tiny targets of real architectures (``ds_capture.demo.build_tiny_target`` through the test suite's family
-builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa); with ``--targets kimi_k3`` the tiny Kimi K3 release of
-``tests/nemo_k3_release.py``, NeMo's class with ds_capture's KDA / MLA carriers), one row per length made of the bundled demo
-conversations joined (cycled) until it fills S. Out: one JSON object on stdout:
+builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa); with ``--targets kimi_k3`` / ``deepseek_v41`` the tiny
+Kimi K3 / DeepSeek-V4.1 release of ``tests/nemo_k3_release.py`` / ``tests/nemo_v41_release.py``, NeMo's class with
+ds_capture's carriers), one row per length made of the bundled demo conversations joined (cycled) until it fills S.
+Out: one JSON object on stdout:
 
 - ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows and for chunks of
   S/4, each the median of ``--repeats`` runs interleaved, and ``ratio`` = chunked / whole (goal <= 1.15);
 - ``memory``: per target and S in ``--seqs``, the peak RSS of a fresh process capturing one row with chunks of
   ``--chunk`` (and whole rows where ``--whole-max`` allows), over the same process's RSS right after the model
-  loaded: the growth with S is the carried state and the captured output, not the activations.
+  loaded: the growth with S is the carried state and the captured output, not the activations. With ``--plan``,
+  beside it ``ds-capture plan``'s figures for the same recipe on one rank in fp32 (activations with the carried
+  state, device captures, host: what a CPU process holds of them all).
 
 Each measurement is its own process (``--one``), so peaks do not leak between them. One intra-op thread.
 
     . .venv/bin/activate
-    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3]
+    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--plan]
+    python benchmarks/chunked_prefill.py --targets deepseek_v41 --plan > benchmarks/results/chunked_prefill_deepseek_v41.json
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TARGETS = ("qwen3_moe", "glm_moe_dsa")
+NEMO_RELEASES = {  # model_type -> the test suite's tiny release writer (NeMo's class, ds_capture's carriers)
+    "kimi_k3": ("tests.nemo_k3_release", "write_tiny_k3_release"),
+    "deepseek_v41": ("tests.nemo_v41_release", "write_tiny_v41_release"),
+}
 
 
 def _rss_mb() -> float:
@@ -84,19 +92,35 @@ def one(spec: dict) -> dict:
     summary = run_capture(cfg, show_progress=False)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
-            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1)}
+            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1),
+            **(_plan_mb(cfg) if spec.get("plan") else {})}
 
 
 def _target(root: Path, model_type: str, family_target_builder) -> Path:
-    if model_type != "kimi_k3":
+    if model_type not in NEMO_RELEASES:
         return family_target_builder(root)(model_type)
-    from ds_capture.demo import demo_tokenizer
-    from tests import nemo_k3_release
+    import importlib
 
-    path = root / "kimi_k3"
-    if not (path / "model.safetensors").is_file():
-        nemo_k3_release.write_tiny_k3_release(path, seed=0, tokenizer=demo_tokenizer())
+    from ds_capture.demo import demo_tokenizer
+
+    module, writer = NEMO_RELEASES[model_type]
+    path = root / model_type
+    if not (path / "config.json").is_file():  # written last by both writers
+        getattr(importlib.import_module(module), writer)(path, seed=0, tokenizer=demo_tokenizer())
     return path
+
+
+def _plan_mb(cfg) -> dict:
+    """``ds-capture plan``'s figures for this recipe on one CPU rank in fp32 (MB): the forward's activations (the
+    carried state among them under chunks), the captures on the device and on the host."""
+    from ds_capture.sizing.command import plan_capture
+
+    report = plan_capture(cfg, world_size=1, compute_dtype="fp32", suggest=False, count_dataset=False)
+    rank = report.worst
+    return {"plan_activation_mb": round(rank.activation_bytes / 2**20, 1),
+            "plan_capture_mb": round(rank.capture_bytes / 2**20, 1),
+            "plan_host_mb": round(rank.host_bytes / 2**20, 1),
+            "plan_carried_mb": round((report.carried_state or {}).get("bytes_per_row", 0) / 2**20, 1)}
 
 
 def measure(spec: dict) -> dict:
@@ -116,6 +140,7 @@ def main() -> None:
     parser.add_argument("--speed-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--plan", action="store_true", help="add plan's figures (fp32, one rank) to each memory run")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
@@ -135,9 +160,10 @@ def main() -> None:
         rows = []
         for seq in args.seqs:
             row = {"seq": seq, "chunked": measure({"work": str(work), "model_type": model_type, "seq": seq,
-                                                   "chunk": args.chunk})}
+                                                   "chunk": args.chunk, "plan": args.plan})}
             if seq <= args.whole_max:
-                row["whole"] = measure({"work": str(work), "model_type": model_type, "seq": seq, "chunk": "off"})
+                row["whole"] = measure({"work": str(work), "model_type": model_type, "seq": seq, "chunk": "off",
+                                        "plan": args.plan})
             rows.append(row)
             print(json.dumps({model_type: row}), file=sys.stderr, flush=True)
         report["memory"][model_type] = rows

@@ -11,10 +11,11 @@ values for full attention; the window's tail for sliding-window layers (Gemma 4,
 Llama 4's chunked local attention; the index keys of DSA indexers (GLM-5, DeepSeek-V3.2), whose top-k per query
 is then taken over its whole causal prefix; DeepSeek-V4's compressor buffers; the recurrent and convolution
 state of Gated DeltaNet and KDA layers (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, GLM-5-Next). The family declares
-as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks) and which
-families carry nothing yet (:attr:`Family.chunk_refusal`). NeMo's classes take no cache: a NeMo-built family
+as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks, DeepSeek-V4.1's
+compression groups) and which families carry nothing (:attr:`Family.chunk_refusal`; none today). NeMo's classes take no cache: a NeMo-built family
 declares one carrier per layer kind (:attr:`Family.chunk_carriers`), which :func:`carried_state` puts in front of
-NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`).
+NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`; DeepSeek-V4.1:
+:mod:`ds_capture.target.nemo_v41_chunks`).
 
 Every captured tensor equals the whole row's up to float summation order (fp32: within 1e-5 of the row maximum on
 every family's tiny target, ``tests/unit/test_chunked_prefill.py``); activations are those of one chunk against
@@ -51,9 +52,8 @@ def resolve_chunk_tokens(setting: int | str, family: Family, seq_length: int, *,
         lower, upper = chunk // multiple * multiple, (chunk // multiple + 1) * multiple
         nearest = f"{lower} or {upper}" if lower else f"{upper}"
         raise CaptureError(
-            f"{where}: model_type {family.model_type!r} takes chunks that are a multiple of {multiple} tokens (its "
-            f"linear-attention layers compute in blocks of {multiple}, and a chunk that splits a block changes the "
-            f"captured states). Use {nearest}, or off."
+            f"{where}: model_type {family.model_type!r} takes chunks that are a multiple of {multiple} tokens "
+            f"({family.chunk_multiple_reason.format(multiple=multiple)}). Use {nearest}, or off."
         )
     return chunk
 
@@ -84,10 +84,11 @@ def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
 
 
 @contextmanager
-def carried_state(model: torch.nn.Module, carriers: Mapping[str, str]) -> Iterator[list[Any]]:
+def carried_state(model: torch.nn.Module, carriers: Mapping[str, str], row_tokens: int) -> Iterator[list[Any]]:
     """For one row's chunks: every module of ``model`` whose class ``carriers`` names forwards through a fresh
-    carrier of its kind (``carrier_class(module).forward``), which holds that layer's state from chunk to chunk;
-    yields the carriers. The modules' own forwards are back on exit, errors included, and the carried state goes
+    carrier of its kind (``carrier_class(module, row_tokens).forward``; ``row_tokens``: the row's length, which
+    DeepSeek-V4.1's indexer computes its top-k over), which holds that layer's state from chunk to chunk; yields
+    the carriers. The modules' own forwards are back on exit, errors included, and the carried state goes
     with the carriers."""
     from ds_capture.target.nemo_config import resolve
 
@@ -97,7 +98,7 @@ def carried_state(model: torch.nn.Module, carriers: Mapping[str, str]) -> Iterat
         for module in model.modules():
             kind = kinds.get(type(module).__name__)
             if kind is not None:
-                held.append(kind(module))
+                held.append(kind(module, row_tokens))
                 module.forward = held[-1].forward  # an instance attribute: nn.Module.__call__ runs it, hooks too
                 installed.append(module)
         assert installed, f"no module of {sorted(kinds)} in {type(model).__name__}: Family.chunk_carriers is stale"
@@ -122,7 +123,7 @@ def _forward_with_carriers(model: torch.nn.Module, inputs: dict[str, torch.Tenso
             "1), which the chunked prefill of a NeMo-built target cannot carry. Send right-padded rows (content "
             "first), or set capture.chunked_prefill: off.")
     output = None
-    with carried_state(model, carriers):
+    with carried_state(model, carriers, input_ids.shape[1]):
         for start in range(0, input_ids.shape[1], chunk_tokens):
             output = model(input_ids=input_ids[:, start:start + chunk_tokens], **forward_kwargs)
     return output

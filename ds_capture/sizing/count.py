@@ -308,7 +308,7 @@ class Sizer:
             attn_implementation=table.attn_implementation,
             keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
             indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
-            bias_bytes=family.attention_bias(text, B, S) if family.attention_bias else 0,
+            bias_bytes=family.attention_bias(text, B, S, chunk_tokens, c) if family.attention_bias else 0,
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
             chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row
             if chunk_tokens and chunk_tokens < S else 0,

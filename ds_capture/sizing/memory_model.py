@@ -148,11 +148,13 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``attn_implementation`` is the one the model resolved (DeepSeek-V4 supports only ``eager``); ``keys_per_query``
     the attention's keys per query relative to S (compressed KV appended); ``indexer_bytes`` the fp32 scores a
     sparse-attention indexer materialises (the family's rule, :mod:`ds_capture.target.families`); ``bias_bytes`` a
-    dense attention bias alive with the attention (DeepSeek-V4.1's fp32 ``[B, H, S, S + W + 1]``);
+    dense attention bias alive with the attention, at the forward's queries (DeepSeek-V4.1's fp32
+    ``[B, H, Q, K + 1]``, or its indexer's scores where larger: :func:`~ds_capture.target.attention_sizes.
+    v41_dense_attention_bias`);
     ``dequantized_experts_bytes`` one MoE layer's local experts in the compute dtype, which resident quantized
     experts (``capture.expert_storage: checkpoint``) cost while that layer runs (grouped experts).
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
-    row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
+    row's keys (the indexer's rows too), and the stack holds ``carried_bytes``, the row's carried state
     (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
     for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
@@ -163,7 +165,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     Q = min(chunk_tokens or S, S)  # queries per forward: the chunk's, or the whole row's
     T = B * Q
-    indexer_bytes, bias_bytes = indexer_bytes * Q // S, bias_bytes * Q // S  # their rows are the queries
+    indexer_bytes = indexer_bytes * Q // S  # its rows are the queries (a bias is the family's own count at Q)
     stack = [
         Term("residual stream", 3 * T * H * shapes.residual_streams * c,
              f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),

@@ -39,13 +39,24 @@ def compressed_rate(text_config, layer_type: str) -> int:
     return int((text_config.compress_rates or {}).get(layer_type, 0))
 
 
-def v41_dense_attention_bias(text_config, batch: int, seq_length: int) -> int:
-    """DeepSeek-V4.1's SDPA / eager attention (NeMo's non-TileLang path): an fp32 bias ``[B, H, S, S + W + 1]``
-    (the sliding-window mask over S keys, W = S / ratio compressed keys, one sink column), built as a
-    ``[B, 1, S, S + W]`` mask, its masked copy, then the expanded concatenation. At the layer with the smallest
-    compress ratio; about 8.6 GB per call at H = 64, S = 4096, ratio 4, B = 1."""
+def v41_dense_attention_bias(text_config, batch: int, seq_length: int, queries: int | None = None,
+                             compute_bytes: int = 2) -> int:
+    """DeepSeek-V4.1's SDPA / eager attention (NeMo's non-TileLang path) at the layer with the smallest compress ratio
+    (W = S / ratio compressed keys): the larger of its two transients, which are never alive together.
+
+    - the fp32 bias ``[B, H, Q, K + 1]`` (K keys and one sink column), built as a ``[B, 1, Q, K]`` mask, its masked
+      copy, then the expanded concatenation. A whole row (``queries`` None or S): Q = S and K = S + W (the window's
+      mask spans the row); about 8.6 GB per call at H = 64, S = 4096, ratio 4, B = 1. A chunk of Q queries
+      (``capture.chunked_prefill``, :mod:`ds_capture.target.nemo_v41_chunks`): K = (window - 1) + Q + W, the window's
+      tail, the chunk and the row's compressed keys;
+    - the indexer's scores ``[B, Q, Hi, W]`` in the compute dtype: the einsum's, their ReLU and the weighted
+      product alive together (NeMo's BF16 reference path; then ``[B, Q, W]``)."""
     ratios = [r for r in text_config.compress_ratios[: text_config.num_hidden_layers] if r]
     width = seq_length // min(ratios) if ratios else 0
-    keys = seq_length + width
+    queries = seq_length if queries is None or queries >= seq_length else queries
+    window = seq_length if queries == seq_length else min(text_config.sliding_window - 1, seq_length) + queries
+    keys = window + width
     heads = text_config.num_attention_heads
-    return batch * seq_length * 4 * (2 * keys + heads * (keys + 1))
+    bias = batch * queries * 4 * (2 * keys + heads * (keys + 1))
+    indexer = 3 * batch * queries * text_config.index_n_heads * width * compute_bytes if ratios else 0
+    return max(bias, indexer)

@@ -65,8 +65,9 @@ class Family:
     """Attention keys per query relative to S (compressed KV appended), from the text config (ds-capture plan)."""
     indexer_scores: Callable[[Any, int, int], int] | None = None
     """Bytes of the scores a sparse-attention indexer materialises for a [B, S] batch (ds-capture plan)."""
-    attention_bias: Callable[[Any, int, int], int] | None = None
-    """Bytes of a dense attention bias the attention builds for a [B, S] batch, alive with its scores (plan)."""
+    attention_bias: Callable[[Any, int, int, int | None, int], int] | None = None
+    """``(text config, B, S, chunk tokens or None, compute bytes) -> bytes`` of a dense attention bias the attention
+    builds for a [B, S] batch (or one chunk of it), alive with its scores (plan)."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -135,6 +136,10 @@ class Family:
     """``capture.chunked_prefill``: a chunk must hold a multiple of this many tokens. Gated DeltaNet / KDA layers
     compute in blocks of 64 tokens, and a chunk that splits a block sums the recurrence in another order (Qwen3-Next
     at chunk 300 of 2,048: 2.3e-4 of the row maximum off the whole row; at 320: 6.5e-6)."""
+    chunk_multiple_reason: str = (
+        "its linear-attention layers compute in blocks of {multiple}, and a chunk that splits a block changes the "
+        "captured states")
+    """Why ``chunk_multiple`` (shown when a chunk is refused; ``{multiple}`` is filled in)."""
     chunk_refusal: str = ""
     """Non-empty: the family's forward carries no state from one chunk to the next yet, so ``chunked_prefill`` with
     a chunk shorter than the row is refused (the reason); ``auto`` forwards whole rows."""

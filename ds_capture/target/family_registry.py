@@ -43,10 +43,11 @@ _DENSE_ONLY = (
 
 # Gated DeltaNet and KDA compute in blocks of 64 tokens (Family.chunk_multiple).
 _LINEAR_ATTENTION_BLOCK = 64
-_NEMO_NO_CHUNKS = (
-    "model_type {model_type!r} is built by NeMo AutoModel's {cls}, whose forward takes no cache, so nothing carries "
-    "its {state} from one chunk to the next yet: it would compute every chunk as if the row began there. Set "
-    "capture.chunked_prefill: off (or auto, which forwards whole rows for this family)."
+# DeepSeek-V4.1's compressed layers pool groups of `compress_ratio` tokens (the release: 1 and 2).
+_V41_COMPRESSION_GROUP = 2
+_V41_GROUPS = (
+    "its compressed attention pools groups of 1 or {multiple} tokens into one compressed key, and a chunk must end "
+    "on a group's boundary"
 )
 _NEMO_NO_TP = (
     "model_type {model_type!r} is built by NeMo AutoModel's {cls}, which declares no tensor-parallel plan "
@@ -65,6 +66,7 @@ _V41_EAGLE3 = (
 )
 _NEMO = "nemo_automodel.components.models"
 _KDA_MLA_CHUNKS = "ds_capture.target.nemo_kda_mla_chunks"
+_V41_CHUNKS = "ds_capture.target.nemo_v41_chunks"
 _NEMO_SDPA = "NeMo's class is built with its torch backend, BackendConfig(attn='sdpa', experts='torch')"
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
@@ -248,8 +250,11 @@ FAMILIES: dict[str, Family] = {
             embed_weight_key="embed.weight", lm_head_weight_key="head.weight", attention="attn", moe_block="ffn",
             num_experts_key="n_routed_experts", residual_streams_key="hc_mult",
             feature_module="attn_hc", reduce_layer_output=mean_over_hyper_connections,
-            chunk_refusal=_NEMO_NO_CHUNKS.format(model_type="deepseek_v41", cls="DeepseekV41ForCausalLM",
-                                                 state="compressed KV, window tail, index keys and Engram n-gram context"),
+            # Chunked prefill: window tails, compressed KV, index keys (top-k over the row's width) and the Engram
+            # n-gram context, carried around NeMo's own modules; chunks end on every layer's compression groups.
+            chunk_carriers={"DeepseekV41Attention": f"{_V41_CHUNKS}:CsaCarrier",
+                            "DeepseekV41NgramHash": f"{_V41_CHUNKS}:EngramContextCarrier"},
+            chunk_multiple=_V41_COMPRESSION_GROUP, chunk_multiple_reason=_V41_GROUPS,
             eagle3_refusal=_V41_EAGLE3, full_width=True, width_reason=_V41_WIDTH, attention_bias=attention_sizes.v41_dense_attention_bias, attn_implementations=("sdpa",), attn_reason=_NEMO_SDPA,
             supports_tp=False, tp_refusal=_NEMO_NO_TP.format(model_type="deepseek_v41", cls="DeepseekV41ForCausalLM",
                                                             what="one shared KV head, grouped low-rank output, "

@@ -55,8 +55,8 @@ def _refuse_nemo_only_paths(module: torch.nn.Module, packed_context: Any, kwargs
 class KdaCarrier:
     """A ``KimiDeltaAttention`` layer over one row's chunks: short-convolution tails and the recurrent state."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, row_tokens: int) -> None:
+        self.module = module  # (K3's state does not depend on the row's length)
         self.conv_tails: dict[str, torch.Tensor] = {}  # "q" / "k" / "v" -> [B, W - 1, D], the inputs before
         self.recurrent: torch.Tensor | None = None  # [B, H, K, V] or [B, H, V, K] (the kernel's layout), fp32
 
@@ -120,8 +120,8 @@ class KdaCarrier:
 class LatentKvCarrier:
     """A ``KimiMLAAttention`` layer over one row's chunks: the prefix's latent KV (what MLA caches in decoding)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, row_tokens: int) -> None:
+        self.module = module  # (K3's state does not depend on the row's length)
         self.latent: torch.Tensor | None = None  # [B, P, R]
 
     @staticmethod

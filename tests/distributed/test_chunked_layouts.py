@@ -6,9 +6,10 @@ them needs and the short rank forwards fillers (a rank that skipped one would ha
 FSDP2's gathers). Target: tiny Qwen3-MoE (2 layers), fp32. Each layout's chunked cache (``chunked_prefill: 256``)
 must equal the single process's whole-row cache: ids and masks exactly, states within 1e-5 of the tensor's
 maximum (``support.max_rel_diff``); and it must finish within its timeout.
-CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2, and Kimi K3 (NeMo's class, the tiny release,
-its state carried by :mod:`ds_capture.target.nemo_kda_mla_chunks`) on EP 2 with the DeepSpeed engine, FSDP2 and
-ZeRO-3.
+CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2, and Kimi K3 and DeepSeek-V4.1 (NeMo's
+classes, the tiny releases, their state carried by :mod:`ds_capture.target.nemo_kda_mla_chunks` and
+:mod:`ds_capture.target.nemo_v41_chunks`) on EP 2 with the DeepSpeed engine, FSDP2 and ZeRO-3 (measured: worst
+2.6e-7 for K3, 1.8e-7 for V4.1).
 """
 
 from __future__ import annotations
@@ -84,54 +85,66 @@ def test_chunked_cache_on_two_ranks_equals_the_whole_row_single_process(whole_ro
     assert max_rel_diff(single, out) <= 1e-5
 
 
-K3_LAYOUTS = {  # name -> (engine, distributed section, extra recipe keys)
+NEMO_LAYOUTS = {  # name -> (engine, distributed section, extra recipe keys)
     "ep2": ("deepspeed", {"ep_size": 2}, {}),
     "fsdp2-ep2": ("fsdp2", {"ep_size": 2}, {}),
     "zero3-ep2": ("deepspeed", {"ep_size": 2}, {"deepspeed_config": {"zero_optimization": {"stage": 3}}}),
 }
+NEMO_LAYER_IDS = {"kimi_k3": [-1, 0, 1, 3], "deepseek_v41": [0, 2, 3, 5]}
 
 
 @pytest.fixture(scope="module")
-def k3_whole_rows(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """The tiny K3 release, the rows, and one process's whole-row cache of them (fp32)."""
+def nemo_whole_rows(tmp_path_factory):
+    """family -> (its tiny release, the rows, one process's whole-row cache of them (fp32)), built once each."""
     pytest.importorskip("nemo_automodel")
     from ds_capture.demo import demo_tokenizer
     from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
-    from tests import nemo_k3_release
+    from tests import nemo_k3_release, nemo_v41_release
 
     ensure_shm_op_built()
-    root = tmp_path_factory.mktemp("k3_chunked_layouts")
-    release = nemo_k3_release.write_tiny_k3_release(root / "k3", seed=0, tokenizer=demo_tokenizer())
-    data = _data(root / "rows.jsonl")
-    run_capture(load_config(str(_k3_recipe(root / "single.yaml", release, data, root / "single", "off"))),
-                show_progress=False)
-    return release, data, root / "single"
+    writers = {"kimi_k3": nemo_k3_release.write_tiny_k3_release,
+               "deepseek_v41": nemo_v41_release.write_tiny_v41_release}
+    built: dict[str, tuple[Path, Path, Path]] = {}
+
+    def whole_rows(family: str) -> tuple[Path, Path, Path]:
+        if family not in built:
+            root = tmp_path_factory.mktemp(f"{family}_chunked_layouts")
+            release = writers[family](root / family, seed=0, tokenizer=demo_tokenizer())
+            data = _data(root / "rows.jsonl")
+            run_capture(load_config(str(_nemo_recipe(root / "single.yaml", family, release, data, root / "single",
+                                                     "off"))), show_progress=False)
+            built[family] = release, data, root / "single"
+        return built[family]
+
+    return whole_rows
 
 
-def _k3_recipe(path: Path, release: Path, data: Path, out: Path, chunked_prefill, engine: str = "deepspeed",
-               distributed: dict | None = None, extra: dict | None = None) -> Path:
+def _nemo_recipe(path: Path, family: str, release: Path, data: Path, out: Path, chunked_prefill,
+                 engine: str = "deepspeed", distributed: dict | None = None, extra: dict | None = None) -> Path:
     _recipe(path, release, data, out, chunked_prefill, engine, distributed)
     raw = yaml.safe_load(path.read_text())
     raw["capture"]["compute_dtype"] = "fp32"
-    raw["recipe_args"]["target_layer_ids"] = [-1, 0, 1, 3]
+    raw["recipe_args"]["target_layer_ids"] = NEMO_LAYER_IDS[family]
     path.write_text(yaml.safe_dump({**raw, **(extra or {})}))
     return path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(K3_LAYOUTS))
-def test_kimi_k3_chunked_on_two_ranks_equals_the_whole_row_single_process(k3_whole_rows, tmp_path, layout):
-    """Kimi K3 (NeMo's class; KDA and MLA state carried by ds_capture's carriers) on 2 ranks with its experts
-    expert-parallel, chunks of 256 (the long rows' rank forwards 8 chunks a row, the short rows' rank fillers):
-    equal to one process's whole-row cache (fp32, within 1e-5)."""
-    release, data, single = k3_whole_rows
-    engine, distributed, extra = K3_LAYOUTS[layout]
+@pytest.mark.parametrize("family", list(NEMO_LAYER_IDS))
+@pytest.mark.parametrize("layout", list(NEMO_LAYOUTS))
+def test_nemo_family_chunked_on_two_ranks_equals_the_whole_row_single_process(nemo_whole_rows, tmp_path, family,
+                                                                              layout):
+    """Kimi K3 and DeepSeek-V4.1 (NeMo's classes; their state carried by ds_capture's carriers) on 2 ranks with
+    their experts expert-parallel (V4.1's Engram tables split by rows), chunks of 256 (the long rows' rank forwards
+    8 chunks a row, the short rows' rank fillers): equal to one process's whole-row cache (fp32, within 1e-5)."""
+    release, data, single = nemo_whole_rows(family)
+    engine, distributed, extra = NEMO_LAYOUTS[layout]
     out = tmp_path / "cache"
-    result = kh.run_cli_forked(2, _k3_recipe(tmp_path / "r.yaml", release, data, out, 256, engine, distributed, extra),
-                               timeout_s=300)
+    recipe = _nemo_recipe(tmp_path / "r.yaml", family, release, data, out, 256, engine, distributed, extra)
+    result = kh.run_cli_forked(2, recipe, timeout_s=300)
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     worst = max_rel_diff(single, out)
-    print(f"[chunked prefill] kimi_k3 {layout} chunk 256: worst {worst:.2e}")
+    print(f"[chunked prefill] {family} {layout} chunk 256: worst {worst:.2e}")
     assert worst <= 1e-5

@@ -9,8 +9,8 @@ DSA families (GLM-5, DeepSeek-V3.2) also compare each indexer's top-k set per qu
 Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
 less, Qwen3 0.0 at 256.
 
-The refusals (before anything loads): a NeMo-built family with a chunk shorter than the row; a chunk that splits
-a linear-attention family's 64-token blocks; a setting that is neither auto, off nor a positive count.
+The refusals (before anything loads): a chunk that splits DeepSeek-V4.1's compression groups or a linear-attention
+family's 64-token blocks; a setting that is neither auto, off nor a positive count.
 CI runs a representative cut (Gated DeltaNet, sliding windows with GQA); every other family with ``--full``.
 """
 
@@ -169,15 +169,17 @@ def test_chunk_as_long_as_the_row_is_the_whole_row_and_off_is_unchanged(family_t
             assert torch.equal(ours[key], whole[key]), (setting, key)
 
 
-def test_nemo_families_refuse_a_chunk_before_loading():
+def test_nemo_families_take_chunks_of_their_multiple_and_refuse_others_before_loading():
+    # DeepSeek-V4.1 carries its CSA2 and Engram state in its compression groups (tests/unit/test_chunked_prefill_nemo.py).
     family = get_family("deepseek_v41")
+    assert resolve_chunk_tokens(1024, family, 4096, source="r.yaml") == 1024
+    assert resolve_chunk_tokens(300, family, 2048, source="r.yaml") == 300
     with pytest.raises(CaptureError) as caught:
-        resolve_chunk_tokens(1024, family, 4096, source="r.yaml")
+        resolve_chunk_tokens(1001, family, 4096, source="r.yaml")
     assert str(caught.value) == (
-        "r.yaml: `capture.chunked_prefill` 1024: model_type 'deepseek_v41' is built by NeMo AutoModel's "
-        "DeepseekV41ForCausalLM, whose forward takes no cache, so nothing carries its compressed KV, window tail, "
-        "index keys and Engram n-gram context from one chunk to the next yet: it would compute every chunk as if the "
-        "row began there. Set capture.chunked_prefill: off (or auto, which forwards whole rows for this family).")
+        "r.yaml: `capture.chunked_prefill` 1001: model_type 'deepseek_v41' takes chunks that are a multiple of 2 "
+        "tokens (its compressed attention pools groups of 1 or 2 tokens into one compressed key, and a chunk must end "
+        "on a group's boundary). Use 1000 or 1002, or off.")
     assert resolve_chunk_tokens("auto", family, 4096, source="r.yaml") is None
     assert resolve_chunk_tokens(4096, family, 4096, source="r.yaml") is None
     # Kimi K3 carries its KDA and MLA state (tests/unit/test_chunked_prefill_nemo.py), in KDA's 64-token blocks.
