@@ -6,12 +6,15 @@ several demo conversations joined) three times through ``run_capture``: whole ro
 chunk that does not divide S (300; 320 where the family computes in 64-token blocks). Against the whole-row cache:
 ``input_ids`` and ``loss_mask`` byte for byte, every captured state (fp32) within 1e-5 of its row's maximum.
 DSA families (GLM-5, DeepSeek-V3.2) also compare each indexer's top-k set per query, whole row vs chunked.
+The EAGLE-3 kind the same way, per family (aux layers 0, 2, 3 of the 4; a draft vocabulary of 256): aux states and
+``target_probs`` within 1e-5 of the row maximum, every integer tensor byte for byte.
 Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
 less, Qwen3 0.0 at 256.
 
 The refusals (before anything loads): a chunk that splits DeepSeek-V4.1's compression groups or a linear-attention
 family's 64-token blocks; a setting that is neither auto, off nor a positive count.
-CI runs a representative cut (Gated DeltaNet, sliding windows with GQA); every other family with ``--full``.
+CI runs a representative cut (DSpark: Gated DeltaNet, sliding windows with GQA; EAGLE-3: Qwen3); every other
+family with ``--full``.
 """
 
 from __future__ import annotations
