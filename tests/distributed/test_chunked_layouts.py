@@ -8,10 +8,9 @@ must equal the single process's whole-row cache: ids and masks exactly, states w
 maximum (``support.max_rel_diff``); and it must finish within its timeout.
 CI: EP 2 (DeepSpeed engine), for both cache kinds (EAGLE-3: a 3-layer Qwen3-MoE, its aux states, target_probs and
 masks against one process's whole-row EAGLE-3 cache; measured 3.2e-7, ~5 s); with ``--full``: FSDP2 on 2 ranks,
-TP 2, and Kimi K3 and DeepSeek-V4.1 (NeMo's
-classes, the tiny releases, their state carried by :mod:`ds_capture.target.nemo_kda_mla_chunks` and
-:mod:`ds_capture.target.nemo_v41_chunks`) on EP 2 with the DeepSpeed engine, FSDP2 and ZeRO-3 (measured: worst
-2.6e-7 for K3, 1.8e-7 for V4.1).
+TP 2, and Kimi K3 and DeepSeek-V4.1 (NeMo's classes, the tiny releases, their state carried by
+:mod:`ds_capture.target.nemo_kda_mla_chunks` and :mod:`ds_capture.target.nemo_v41_chunks`) on EP 2 with the
+DeepSpeed engine, FSDP2 and ZeRO-3 (measured: worst 2.6e-7 for K3, 1.8e-7 for V4.1).
 """
 
 from __future__ import annotations

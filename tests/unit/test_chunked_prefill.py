@@ -13,7 +13,7 @@ less, Qwen3 0.0 at 256.
 
 The refusals (before anything loads): a chunk that splits DeepSeek-V4.1's compression groups or a linear-attention
 family's 64-token blocks; a setting that is neither auto, off nor a positive count.
-CI runs a representative cut (DSpark: Gated DeltaNet, sliding windows with GQA; EAGLE-3: Qwen3); every other
+CI runs a representative cut (DSpark: Gated DeltaNet, sliding windows with GQA; EAGLE-3: Gemma 4); every other
 family with ``--full``.
 """
 
@@ -165,7 +165,7 @@ def eagle3_capture(target: Path, data: Path, out: Path, chunked_prefill) -> dict
 
 # Every tiny target has 4 decoder layers: the first, a middle one and the last (pre-norm).
 EAGLE3_AUX_LAYER_IDS = [0, 2, 3]
-EAGLE3_CI = "qwen3"
+EAGLE3_CI = "gemma4"  # sliding windows with GQA; its target is built for the DSpark cut
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m == EAGLE3_CI else pytest.mark.slow)
