@@ -62,7 +62,7 @@ def capture(release: Path, data: Path, out: Path, chunked_prefill, *, num_rows: 
     args = dict(target_model_name_or_path=str(release), train_data_path=str(data), train_split=f"train[:{num_rows}]",
                 cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=num_rows,
                 cache_shard_size=num_rows, cache_dtype="fp32")
-    args.update(aux_layer_ids=[0, 1, 2], draft_vocab_size=64) if kind == "eagle3" else args.update(
+    args.update(aux_layer_ids=[0, 2, 3], draft_vocab_size=64) if kind == "eagle3" else args.update(
         target_layer_ids=list(layer_ids))
     cfg = parse_config({"cache_kind": kind, "recipe_args": args,
                         "capture": {"compute_dtype": "fp32", "chunked_prefill": chunked_prefill}},
