@@ -6,10 +6,11 @@ them needs and the short rank forwards fillers (a rank that skipped one would ha
 FSDP2's gathers). Target: tiny Qwen3-MoE (2 layers), fp32. Each layout's chunked cache (``chunked_prefill: 256``)
 must equal the single process's whole-row cache: ids and masks exactly, states within 1e-5 of the tensor's
 maximum (``support.max_rel_diff``); and it must finish within its timeout.
-CI: EP 2 (DeepSpeed engine); with ``--full``: FSDP2 on 2 ranks, TP 2, and Kimi K3 and DeepSeek-V4.1 (NeMo's
-classes, the tiny releases, their state carried by :mod:`ds_capture.target.nemo_kda_mla_chunks` and
-:mod:`ds_capture.target.nemo_v41_chunks`) on EP 2 with the DeepSpeed engine, FSDP2 and ZeRO-3 (measured: worst
-2.6e-7 for K3, 1.8e-7 for V4.1).
+CI: EP 2 (DeepSpeed engine), for both cache kinds (EAGLE-3: a 3-layer Qwen3-MoE, its aux states, target_probs and
+masks against one process's whole-row EAGLE-3 cache; measured 3.2e-7, ~5 s); with ``--full``: FSDP2 on 2 ranks,
+TP 2, and Kimi K3 and DeepSeek-V4.1 (NeMo's classes, the tiny releases, their state carried by
+:mod:`ds_capture.target.nemo_kda_mla_chunks` and :mod:`ds_capture.target.nemo_v41_chunks`) on EP 2 with the
+DeepSpeed engine, FSDP2 and ZeRO-3 (measured: worst 2.6e-7 for K3, 1.8e-7 for V4.1).
 """
 
 from __future__ import annotations
@@ -83,6 +84,36 @@ def test_chunked_cache_on_two_ranks_equals_the_whole_row_single_process(whole_ro
     assert result.returncode == 0, result.stdout[-6000:]
     assert not result.leftover_shm, result.leftover_shm
     assert max_rel_diff(single, out) <= 1e-5
+
+
+def _eagle3_recipe(path: Path, target: Path, data: Path, out: Path, chunked_prefill, engine: str = "deepspeed",
+                   distributed: dict | None = None) -> Path:
+    _recipe(path, target, data, out, chunked_prefill, engine, distributed)
+    raw = yaml.safe_load(path.read_text())
+    raw["recipe_args"].update(aux_layer_ids=[0, 1, 2], draft_vocab_size=256)
+    path.write_text(yaml.safe_dump({**raw, "cache_kind": "eagle3"}))
+    return path
+
+
+def test_eagle3_chunked_on_ep2_equals_the_whole_row_single_process(whole_row_cache, tiny_target, tmp_path):
+    """The EAGLE-3 kind on EP 2 in chunks of 256 (the long rows' rank 8 chunks a row, the short rows' rank fillers):
+    aux states, target_probs (the draft vocabulary counted over both ranks) and masks equal one process's whole
+    rows (integers exactly, floats within 1e-5 of the row maximum). The target has 3 layers: EAGLE-3 takes 3."""
+    from ds_capture.recipe.config import load_config
+    from ds_capture.runner import run_capture
+    from tests.eagle3_support import load_cache
+    from tests.unit.test_chunked_prefill import assert_equal_caches
+
+    _, data, _ = whole_row_cache
+    target, single = tiny_target("qwen3_moe", num_hidden_layers=3), tmp_path / "single"
+    run_capture(load_config(str(_eagle3_recipe(tmp_path / "single.yaml", target, data, single, "off"))),
+                show_progress=False)
+    out = tmp_path / "cache"
+    recipe = _eagle3_recipe(tmp_path / "r.yaml", target, data, out, 256, *LAYOUTS["ep2"])
+    result = kh.run_cli_forked(2, recipe, timeout_s=240)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert not result.leftover_shm, result.leftover_shm
+    assert_equal_caches(load_cache(out), load_cache(single), "eagle3 ep2 chunk 256", "qwen3_moe")
 
 
 NEMO_LAYOUTS = {  # name -> (engine, distributed section, extra recipe keys)

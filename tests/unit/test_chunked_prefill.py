@@ -6,12 +6,15 @@ several demo conversations joined) three times through ``run_capture``: whole ro
 chunk that does not divide S (300; 320 where the family computes in 64-token blocks). Against the whole-row cache:
 ``input_ids`` and ``loss_mask`` byte for byte, every captured state (fp32) within 1e-5 of its row's maximum.
 DSA families (GLM-5, DeepSeek-V3.2) also compare each indexer's top-k set per query, whole row vs chunked.
+The EAGLE-3 kind the same way, per family (aux layers 0, 2, 3 of the 4; a draft vocabulary of 256): aux states and
+``target_probs`` within 1e-5 of the row maximum, every integer tensor byte for byte.
 Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
 less, Qwen3 0.0 at 256.
 
 The refusals (before anything loads): a chunk that splits DeepSeek-V4.1's compression groups or a linear-attention
 family's 64-token blocks; a setting that is neither auto, off nor a positive count.
-CI runs a representative cut (Gated DeltaNet, sliding windows with GQA); every other family with ``--full``.
+CI runs a representative cut (DSpark: Gated DeltaNet, sliding windows with GQA; EAGLE-3: Gemma 4); every other
+family with ``--full``.
 """
 
 from __future__ import annotations
@@ -131,32 +134,52 @@ def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_
             assert torch.equal(a, b), f"{model_type}: an indexer's top-k set differs between whole row and chunks"
 
 
-def test_eagle3_cache_chunked_equals_whole_rows(family_target, long_data, tmp_path):
-    """The EAGLE-3 kind: aux states, target_probs and masks of a chunked capture equal the whole row's."""
-    from tests.eagle3_support import load_cache
-
-    target = family_target("qwen3")
-    caches = {}
-    for setting in ("off", 320):
-        out = tmp_path / f"eagle3-{setting}"
-        recipe = tmp_path / f"eagle3-{setting}.yaml"
-        recipe.write_text(yaml.safe_dump({
-            "cache_kind": "eagle3",
-            "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(long_data),
-                                cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=2,
-                                cache_shard_size=2, cache_dtype="fp32", draft_vocab_size=256,
-                                aux_layer_ids=[0, 1, 2]),
-            "capture": {"chunked_prefill": setting}}))
-        run_capture(load_config(recipe), show_progress=False)
-        caches[setting] = load_cache(out)
-    whole, ours = caches["off"], caches[320]
-    assert sorted(whole) == sorted(ours)
+def assert_equal_caches(ours: dict, whole: dict, label: str, family: str) -> float:
+    """Integer tensors byte for byte; every float tensor within 1e-5 of its row's maximum. Returns the worst."""
+    assert sorted(ours) == sorted(whole), label
+    worst = 0.0
     for key, expected in whole.items():
         if expected.is_floating_point():
-            worst = ((ours[key] - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-            assert worst <= 1e-5, (key, worst)
+            for a, b in zip(ours[key], expected):
+                worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item())
         else:
-            assert torch.equal(ours[key], expected), key
+            assert torch.equal(ours[key], expected), (label, key)
+    print(f"[chunked prefill] {family} {label}: worst {worst:.2e} of the row maximum")
+    assert worst <= 1e-5, (family, label, worst)
+    return worst
+
+
+def eagle3_capture(target: Path, data: Path, out: Path, chunked_prefill) -> dict[str, torch.Tensor]:
+    from tests.eagle3_support import load_cache
+
+    recipe = out.parent / f"{out.name}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "cache_kind": "eagle3",
+        "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(data),
+                            cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=2, cache_shard_size=2,
+                            cache_dtype="fp32", draft_vocab_size=256, aux_layer_ids=EAGLE3_AUX_LAYER_IDS),
+        "capture": {"chunked_prefill": chunked_prefill}}))
+    run_capture(load_config(recipe), show_progress=False)
+    return load_cache(out)
+
+
+# Every tiny target has 4 decoder layers: the first, a middle one and the last (pre-norm).
+EAGLE3_AUX_LAYER_IDS = [0, 2, 3]
+EAGLE3_CI = "gemma4"  # sliding windows with GQA; its target is built for the DSpark cut
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m == EAGLE3_CI else pytest.mark.slow)
+                                        for m in FAMILIES])
+def test_eagle3_cache_chunked_equals_whole_rows(family_target, long_data, tmp_path, model_type):
+    """The EAGLE-3 kind: aux states, target_probs and masks of a chunked capture equal the whole row's (every family
+    here allows the kind; DeepSeek-V4.1 refuses it, Kimi K3's cells are in test_chunked_prefill_nemo.py)."""
+    assert not get_family(model_type).eagle3_refusal, model_type
+    target = family_target(model_type)
+    whole = eagle3_capture(target, long_data, tmp_path / "whole", "off")
+    assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the rows are long: supervised tokens past S/2"
+    for chunk in (256, FAMILIES[model_type]):
+        ours = eagle3_capture(target, long_data, tmp_path / f"chunk{chunk}", chunk)
+        assert_equal_caches(ours, whole, f"eagle3 chunk {chunk}", model_type)
 
 
 def test_chunk_as_long_as_the_row_is_the_whole_row_and_off_is_unchanged(family_target, long_data, tmp_path):

@@ -33,7 +33,7 @@ from ds_capture.demo import demo_tokenizer  # noqa: E402
 from ds_capture.recipe.config import parse_config  # noqa: E402
 from ds_capture.runner import run_capture  # noqa: E402
 from tests import nemo_k3_release, nemo_v41_release  # noqa: E402
-from tests.unit.test_chunked_prefill import long_rows  # noqa: E402
+from tests.unit.test_chunked_prefill import assert_equal_caches, long_rows  # noqa: E402
 
 SEQ_LENGTH = 2048
 
@@ -62,7 +62,7 @@ def capture(release: Path, data: Path, out: Path, chunked_prefill, *, num_rows: 
     args = dict(target_model_name_or_path=str(release), train_data_path=str(data), train_split=f"train[:{num_rows}]",
                 cache_output_dir=str(out), seq_length=SEQ_LENGTH, micro_batch_size=num_rows,
                 cache_shard_size=num_rows, cache_dtype="fp32")
-    args.update(aux_layer_ids=[0, 1, 2], draft_vocab_size=64) if kind == "eagle3" else args.update(
+    args.update(aux_layer_ids=[0, 2, 3], draft_vocab_size=64) if kind == "eagle3" else args.update(
         target_layer_ids=list(layer_ids))
     cfg = parse_config({"cache_kind": kind, "recipe_args": args,
                         "capture": {"compute_dtype": "fp32", "chunked_prefill": chunked_prefill}},
@@ -71,25 +71,11 @@ def capture(release: Path, data: Path, out: Path, chunked_prefill, *, num_rows: 
     return load_cache(out)
 
 
-def assert_equal_caches(ours: dict, whole: dict, label: str, family: str = "kimi_k3") -> float:
-    """Integer tensors byte for byte; every float tensor within 1e-5 of its row's maximum. Returns the worst."""
-    assert sorted(ours) == sorted(whole), label
-    worst = 0.0
-    for key, expected in whole.items():
-        if expected.is_floating_point():
-            for a, b in zip(ours[key], expected):
-                worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item())
-        else:
-            assert torch.equal(ours[key], expected), (label, key)
-    print(f"[chunked prefill] {family} {label}: worst {worst:.2e} of the row maximum")
-    assert worst <= 1e-5, (label, worst)
-    return worst
-
-
 def test_k3_chunked_dspark_cache_equals_the_whole_row(k3_release, long_data, tmp_path):
     whole = capture(k3_release, long_data, tmp_path / "whole", "off", num_rows=1)
     assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the row is long: supervised tokens past S/2"
-    assert_equal_caches(capture(k3_release, long_data, tmp_path / "c320", 320, num_rows=1), whole, "dspark 320")
+    ours = capture(k3_release, long_data, tmp_path / "c320", 320, num_rows=1)
+    assert_equal_caches(ours, whole, "dspark 320", "kimi_k3")
 
 
 @pytest.mark.slow
@@ -98,7 +84,7 @@ def test_k3_chunked_caches_of_both_kinds_equal_the_whole_rows(k3_release, long_d
     whole = capture(k3_release, long_data, tmp_path / "whole", "off", num_rows=2, kind=kind)
     for chunk in (256, 320):
         ours = capture(k3_release, long_data, tmp_path / f"c{chunk}", chunk, num_rows=2, kind=kind)
-        assert_equal_caches(ours, whole, f"{kind} {chunk}")
+        assert_equal_caches(ours, whole, f"{kind} {chunk}", "kimi_k3")
 
 
 def counted_and_carried(release: Path, writer, seq_length: int, *, vocab: int):
