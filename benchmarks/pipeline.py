@@ -273,6 +273,7 @@ def _report(args, results: dict, top1, train_rows: int, heldout_rows: int) -> di
         "decoder": {name: {key: measured["decoder"][key] for key in
                            ("anchors", "anchors_off_greedy_path", "proposal_checks")}
                     for name, measured in drafters.items()},
+        "heldout_rows_in_cache": results["original"]["heldout_rows_in_cache"],
         "curves": {name: results[name]["curve"] for name in ("original", "regenerated", "online")},
         "loss": {name: [round(results[name]["first_loss"], 4), round(results[name]["last_loss"], 4)]
                  for name in results},

@@ -18,8 +18,8 @@ measured on the same held-out rows (the regenerated ones: the target's own greed
   (its ``ttt_steps`` = the draft tokens, the test-time-training unroll, teacher-forced) on every held-out row,
   prefix hits and valid chains summed, as ``TrainEagle3Recipe._run_eval`` sums them;
 - ``decoder`` (method b, untrained and final only): a greedy speculative decoder of its own, verifying from every
-  position. The held-out rows are tokenized by ds_capture's data stage (refused unless the cache holds exactly those
-  tokens and loss masks); one transformers forward of the target (its own class, fp32) gives its greedy tokens and
+  position. The held-out rows are tokenized by ds_capture's data stage (``heldout_rows_in_cache``: how many the
+  cache holds with exactly those tokens and loss masks); one transformers forward of the target (its own class, fp32) gives its greedy tokens and
   the aux states (forward hooks); from each anchor, the drafter proposes ``k`` tokens as a decoder does (each from
   its own previous proposal, not from the row's next token), and the target's greedy continuation from that anchor
   (the row's own forward while the row follows it, a forward of its own where it does not) accepts the longest
@@ -272,11 +272,10 @@ class SpeculativeDecoder:
                 "decoder_turns_equal": equal}
 
 
-def heldout_tokens(target: str, heldout_data: str, heldout_cache: str, seq_length: int) -> list:
-    """The held-out rows as the cache tokenized them (ds_capture's data stage, which reproduces NeMo's dataset):
-    each row's content tokens and loss mask; refused unless the cache holds exactly these, shifted."""
+def heldout_tokens(target: str, heldout_data: str, seq_length: int) -> list:
+    """The held-out rows as the cache's tokenization gives them (ds_capture's data stage, which reproduces NeMo's
+    dataset; before NeMo's import, as ``ds-capture run`` loads the tokenizer): content tokens and loss mask."""
     import transformers
-    from nemo_automodel.components.datasets.llm.eagle3_cache import build_cached_eagle3_dataloader
 
     from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
 
@@ -284,16 +283,20 @@ def heldout_tokens(target: str, heldout_data: str, heldout_cache: str, seq_lengt
     tokenized = tokenize_conversations(read_conversations(heldout_data, split=None, shuffle_seed=42), tokenizer,
                                        chat_template=resolve_chat_template(tokenizer, None), seq_length=seq_length,
                                        mask_reasoning_content=False, mask_generation_prompt=False)
-    rows = [(tokenized.input_ids[i, :n].tolist(), tokenized.loss_mask[i, :n].tolist())
+    return [(tokenized.input_ids[i, :n].tolist(), tokenized.loss_mask[i, :n].tolist())
             for i, n in enumerate(tokenized.num_tokens.tolist())]
+
+
+def rows_in_cache(rows: list, heldout_cache: str) -> list[int]:
+    """[rows whose tokens and loss mask the cache holds (shifted left by one, as it stores them), rows]."""
+    from nemo_automodel.components.datasets.llm.eagle3_cache import build_cached_eagle3_dataloader
+
     cached = [(ids.tolist(), mask.tolist()) for batch in build_cached_eagle3_dataloader(
         cache_dir=heldout_cache, batch_size=1, shuffle=False) for ids, mask in zip(batch["input_ids"],
                                                                                     batch["loss_mask"])]
-    for number, ((ids, mask), (cached_ids, cached_mask)) in enumerate(zip(rows, cached, strict=True)):
-        n = len(ids)
-        if cached_ids[: n - 1] != ids[1:] or cached_mask[: n - 1] != mask[1:] or any(cached_mask[n - 1:]):
-            raise SystemExit(f"held-out row {number}: the cache's input_ids / loss_mask are not this tokenization")
-    return rows
+    equal = sum(cached_ids[: len(ids) - 1] == ids[1:] and cached_mask[: len(ids) - 1] == mask[1:]
+                and not any(cached_mask[len(ids) - 1:]) for (ids, mask), (cached_ids, cached_mask) in zip(rows, cached))
+    return [equal, max(len(rows), len(cached))]
 
 
 def main(argv: list[str]) -> int:
@@ -323,6 +326,7 @@ def main(argv: list[str]) -> int:
         parser.error("give --cache, or --remote-url with --data")
 
     started = time.perf_counter()
+    rows = heldout_tokens(args.target, args.heldout_data, args.seq_length)
     single_process_env()
     import torch
     import nemo_automodel.recipes.llm.train_eagle3 as train_eagle3
@@ -330,8 +334,8 @@ def main(argv: list[str]) -> int:
 
     conversations = [json.loads(line) for line in Path(args.heldout_data).read_text().splitlines() if line.strip()]
     decoder = SpeculativeDecoder(args.target, args.aux_layer_ids, args.draft_tokens, args.max_new_tokens)
-    rows = heldout_tokens(args.target, args.heldout_data, args.heldout_cache, args.seq_length)
-    result: dict = {"backend": "remote" if args.remote_url else "cache", "curve": []}
+    result: dict = {"backend": "remote" if args.remote_url else "cache", "curve": [],
+                    "heldout_rows_in_cache": rows_in_cache(rows, args.heldout_cache)}
     seconds = {"eval": 0.0, "decoder": 0.0}
 
     def measure(draft, token_map) -> dict:
