@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--train-rows", type=int, default=96)
     parser.add_argument("--heldout-rows", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)

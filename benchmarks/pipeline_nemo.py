@@ -60,7 +60,9 @@ def recipe_config(args, out_dir: str) -> dict:
         recipe["cached_target_path"] = args.cache
     else:
         recipe.update({"target_model_backend": "remote", "train_data_path": args.data,
-                       "remote_urls": [args.remote_url], "remote_timeout": 120, "remote_max_retries": 0})
+                       "remote_urls": [args.remote_url], "remote_timeout": 120, "remote_max_retries": 0,
+                       # the next batch's request in flight while this one trains (same batches, same order)
+                       "target_prefetch_depth": 1})
     return {"recipe_args": recipe, "dist_env": {"backend": "gloo", "timeout_minutes": 5},
             "optimizer": {"lr": args.lr, "warmup_ratio": 0.05}, "checkpoint": {"enabled": False}}
 
