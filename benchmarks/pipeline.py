@@ -303,7 +303,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("NeMo train_eagle3 optimizer steps")
     ax.set_ylabel(f"tau: tokens per verification ({report['draft_tokens']} drafted)")
     ax.set_title("Held-out acceptance length of the demo's drafter (CPU)\n"
-                 "lines: NeMo simulated_accept_length; x: greedy speculative decoder", fontsize=9)
+                 "lines: NeMo simulated_accept_length; x: greedy speculative decoder, every position", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
