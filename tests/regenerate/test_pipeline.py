@@ -5,7 +5,8 @@ on held-out prompts), ``ds-capture regenerate`` against ``transformers serve`` o
 NeMo's ``train_eagle3`` from each training cache and once against ``ds-capture serve``. The ordering must hold by
 both measures of tau: a trained drafter accepts more than the untrained one, the one trained on regenerated answers
 more than the one trained on the original answers, and the drafter trained online through ``serve`` as much as the
-one trained from the cache of the same rows.
+one trained from the cache of the same rows; and the two measures, the same quantity on the same held-out rows,
+agree.
 """
 
 from __future__ import annotations
@@ -37,3 +38,10 @@ def test_pipeline_orders_the_drafters(tmp_path):
         assert abs(tau["online"][method] - tau["regenerated"][method]) <= 0.05, (method, tau)
     for name in ("untrained", "original", "regenerated", "online"):
         assert 1.0 <= tau[name]["decoder"] <= 4.0 and 1.0 <= tau[name]["nemo"] <= 4.0
+        # Both methods measure the same quantity on the same rows: they agree.
+        assert abs(tau[name]["nemo"] - tau[name]["decoder"]) <= 0.05, (name, tau)
+        # The decoder's batched proposals are what a one-anchor decoder call proposes.
+        equal, checked = report["decoder"][name]["proposal_checks"]
+        assert checked and equal == checked, report["decoder"]
+    held_in_cache, rows = report["heldout_rows_in_cache"]
+    assert held_in_cache == rows == 12
