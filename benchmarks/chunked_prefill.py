@@ -5,11 +5,14 @@ builder: a GQA MoE (qwen3_moe) and a DSA family (glm_moe_dsa); with ``--targets 
 ``tests/nemo_k3_release.py``, NeMo's class with ds_capture's KDA / MLA carriers), one row per length made of the bundled demo
 conversations joined (cycled) until it fills S. Out: one JSON object on stdout:
 
-- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows and for chunks of
-  S/4, each the median of ``--repeats`` runs interleaved, and ``ratio`` = chunked / whole (goal <= 1.15);
+- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows, for chunks
+  of S/4 and for ``auto`` (no budget on a CPU: whole rows), each the median of ``--repeats`` runs interleaved, and
+  ``ratio`` = chunked / whole (goal <= 1.15), ``auto_ratio`` = auto / whole;
 - ``memory``: per target and S in ``--seqs``, the peak RSS of a fresh process capturing one row with chunks of
   ``--chunk`` (and whole rows where ``--whole-max`` allows), over the same process's RSS right after the model
-  loaded: the growth with S is the carried state and the captured output, not the activations.
+  loaded, beside ``ds-capture plan``'s figures for the same recipe (``plan_growth_mb``: activations with the carried
+  state, device captures, host captures and writer): the growth with S is the carried state and the captured
+  output, not the activations.
 
 Each measurement is its own process (``--one``), so peaks do not leak between them. One intra-op thread.
 
@@ -84,7 +87,25 @@ def one(spec: dict) -> dict:
     summary = run_capture(cfg, show_progress=False)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
-            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1)}
+            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1), **_planned(cfg)}
+
+
+def _planned(cfg) -> dict:
+    """Plan's figures for the same recipe on this CPU (fp32 compute), MB: what it says grows beyond the loaded
+    model (activations incl. the carried state, the captures on the device, and on the host the row's captured
+    output and the writer's micro-batch), to read beside the measured growth (no flat runtime reserve on a CPU)."""
+    from ds_capture.sizing.command import plan_capture
+
+    report = plan_capture(cfg, world_size=1, gpu_memory_gib=1000, compute_dtype="fp32", suggest=False,
+                          count_dataset=False)
+    rank = report.ranks[0]
+    terms = {term.name: term.bytes for term in report.activation_terms}
+    mb = 1 << 20
+    return {"plan_chunk": report.chunk_tokens, "plan_activations_mb": round(rank.activation_bytes / mb, 1),
+            "plan_carried_mb": round(terms.get("carried state", 0) / mb, 1),
+            "plan_largest_block": f"{report.activation_largest.name} {report.activation_largest.bytes / mb:.1f}",
+            "plan_capture_device_mb": round(rank.capture_bytes / mb, 1), "plan_host_mb": round(rank.host_bytes / mb, 1),
+            "plan_growth_mb": round((rank.activation_bytes + rank.capture_bytes + rank.host_bytes) / mb, 1)}
 
 
 def _target(root: Path, model_type: str, family_target_builder) -> Path:
@@ -123,15 +144,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
     report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed": {}, "memory": {}}
     for model_type in args.targets:
-        runs: dict[str, list[float]] = {"whole": [], "chunked": []}
-        for _ in range(args.repeats):  # interleaved, so load on the box hits both alike
-            for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4)):
+        runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
+        for _ in range(args.repeats):  # interleaved, so load on the box hits all alike
+            for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4), ("auto", "auto")):
                 got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk})
                 runs[name].append(got.get("seconds", float("nan")))
-        whole, chunked = statistics.median(runs["whole"]), statistics.median(runs["chunked"])
-        report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"],
-                                       "median_whole_s": whole, "median_chunked_s": chunked,
-                                       "ratio": round(chunked / whole, 3)}
+        whole, chunked, auto = (statistics.median(runs[name]) for name in ("whole", "chunked", "auto"))
+        report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"], "auto_s": runs["auto"],
+                                       "median_whole_s": whole, "median_chunked_s": chunked, "median_auto_s": auto,
+                                       "ratio": round(chunked / whole, 3), "auto_ratio": round(auto / whole, 3)}
         rows = []
         for seq in args.seqs:
             row = {"seq": seq, "chunked": measure({"work": str(work), "model_type": model_type, "seq": seq,

@@ -137,7 +137,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
-                             carried_bytes: int = 0, carried_transient_bytes: int = 0) -> tuple[list[Term], Term]:
+                             carried_bytes: int = 0, carried_transient_bytes: int = 0,
+                             indexer_queries: int | None = None, chunk_keys: int | None = None
+                             ) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -151,7 +153,11 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
     row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
     (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
-    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent).
+    for the last chunk (a NeMo carrier's, or GLM-5's: MLA's prefix keys and values from the latent);
+    ``indexer_queries`` the queries an indexer scores at once under chunks (its block,
+    :func:`ds_capture.target.attention_sizes.indexer_block_queries`); ``chunk_keys`` the keys each of a chunk's
+    queries attends to where that is fewer than the row's (DeepSeek-V4: a sliding window's tail and the compressed
+    keys).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -160,7 +166,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     Q = min(chunk_tokens or S, S)  # queries per forward: the chunk's, or the whole row's
     T = B * Q
-    indexer_bytes, bias_bytes = indexer_bytes * Q // S, bias_bytes * Q // S  # their rows are the queries
+    indexer_rows = min(Q, indexer_queries or Q) if Q < S else Q  # chunked: the indexer scores a block at a time
+    indexer_bytes, bias_bytes = indexer_bytes * indexer_rows // S, bias_bytes * Q // S  # their rows are the queries
     stack = [
         Term("residual stream", 3 * T * H * shapes.residual_streams * c,
              f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),
@@ -178,7 +185,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         note += " + the fp32 row-parallel o_proj output"
     scores = 0
     if attn_implementation == "eager":
-        keys = int(S * keys_per_query)
+        keys = chunk_keys if Q < S and chunk_keys else int(S * keys_per_query)
         scores = eager_scores_bytes(B, shapes.attention_heads, Q, keys, c)
         if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
             scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
@@ -187,7 +194,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         scores += bias_bytes
         note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"
     if indexer_bytes:
-        note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
+        block = f" of a block of {indexer_rows} queries" if indexer_rows < Q else ""
+        note += f" + the sparse-attention indexer's fp32 scores{block} ({indexer_bytes / GIB:.1f} GiB, before the scores)"
     attention += max(scores, indexer_bytes)
     if Q < S and carried_transient_bytes:
         attention += carried_transient_bytes

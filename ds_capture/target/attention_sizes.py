@@ -3,34 +3,74 @@ indexers, and DeepSeek-V4's compressed keys appended to every query's own. Pure 
 
 In: a family's text config, a batch and a sequence length. Out: bytes, or keys per query. The registry names these
 functions as data (``Family.indexer_scores``, ``Family.keys_per_query``); ``ds-capture plan``'s memory model
-calls them through the family.
+calls them through the family. Under chunked prefill the indexers score a chunk's queries in blocks
+(:mod:`ds_capture.target.indexer_blocks`) of :func:`indexer_block_queries`, which plan counts the same way.
 """
 
 from __future__ import annotations
 
+INDEXER_BLOCK_BYTES = 256 << 20
+"""Under chunked prefill, an indexer's scores (and torch's broadcast copy of its keys) per block of queries stay
+about this size: the block holds as many queries as fit, a multiple of :data:`INDEXER_BLOCK_MULTIPLE`."""
+INDEXER_BLOCK_MULTIPLE = 16
+"""Queries per indexer block are a multiple of this (and at least this): DeepSeek-V4's compress rate 4 divides it."""
+
+
+def dsa_query_bytes(heads: int, dim: int, keys: int) -> int:
+    """One query of a DSA indexer against ``keys`` index keys: ``matmul([.., Hi, D], [.., 1, D, T])`` broadcasts,
+    so torch materialises the keys once per query, ``[D, T]`` fp32, next to the ``[Hi, T]`` fp32 scores; scaling and
+    relu then hold two score tensors: ``T * 4 * max(D + Hi, 2 Hi)``."""
+    return keys * 4 * max(dim + heads, 2 * heads)
+
+
+def csa_query_bytes(heads: int, dim: int, keys: int) -> int:
+    """One query of DeepSeek-V4's CSA indexer against ``keys`` compressed keys: the same broadcast matmul
+    (``[D, T]`` + ``[Hi, T]`` fp32), then relu and scaling hold three score tensors."""
+    return keys * 4 * max(dim + heads, 3 * heads)
+
+
+def indexer_block_queries(query_bytes: int) -> int:
+    """Queries per indexer block under chunked prefill: as many as fit :data:`INDEXER_BLOCK_BYTES` at
+    ``query_bytes`` each, rounded down to a multiple of :data:`INDEXER_BLOCK_MULTIPLE`, at least one multiple."""
+    fit = INDEXER_BLOCK_BYTES // max(query_bytes, 1)
+    return max(INDEXER_BLOCK_MULTIPLE, fit // INDEXER_BLOCK_MULTIPLE * INDEXER_BLOCK_MULTIPLE)
+
 
 def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """GLM-5's DSA indexer: ``matmul([B, S, Hi, D], [B, 1, D, S])`` broadcasts, so torch materialises the keys
-    once per query, ``[B, S, D, S]`` fp32, next to the ``[B, S, Hi, S]`` fp32 scores; scaling and relu then hold
-    two score tensors. Peak: ``B * S * S * 4 * max(D + Hi, 2 Hi)``."""
-    heads, dim = text_config.index_n_heads, text_config.index_head_dim
-    return batch * seq_length * seq_length * 4 * max(dim + heads, 2 * heads)
+    """GLM-5's DSA indexer over a ``[B, S]`` batch: every query against S keys (:func:`dsa_query_bytes`); 8 GiB per
+    row at S = 4096 for GLM-5's 32 heads of 128."""
+    return batch * seq_length * dsa_query_bytes(text_config.index_n_heads, text_config.index_head_dim, seq_length)
 
 
 def csa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
-    """DeepSeek-V4's CSA indexer: the same broadcast matmul over the ``T = S / rate`` compressed keys
-    (``[B, S, D, T]`` + ``[B, S, Hi, T]`` fp32), then relu and scaling hold three score tensors."""
+    """DeepSeek-V4's CSA indexer over a ``[B, S]`` batch: every query against the ``S / rate`` compressed keys."""
     rate = compressed_rate(text_config, "compressed_sparse_attention")
     if not rate:
         return 0
     heads, dim = text_config.index_n_heads, text_config.index_head_dim
-    return batch * seq_length * (seq_length // rate) * 4 * max(dim + heads, 3 * heads)
+    return batch * seq_length * csa_query_bytes(heads, dim, seq_length // rate)
 
 
 def compressed_keys_per_query(text_config) -> float:
     """DeepSeek-V4: every query attends to its S keys plus the compressed entries (S / rate) appended to them."""
     rates = [compressed_rate(text_config, kind) for kind in set(text_config.layer_types or ())]
     return 1 + max((1 / rate for rate in rates if rate), default=0.0)
+
+
+def compressed_chunk_keys(text_config, queries: int, seq_length: int) -> int:
+    """DeepSeek-V4 under chunked prefill: a chunk's queries attend to the sliding window's tail and the chunk itself
+    (the cache keeps the window's last keys, not the prefix), plus the compressed keys of the whole row."""
+    rates = [compressed_rate(text_config, kind) for kind in set(text_config.layer_types or ())]
+    rate = min((rate for rate in rates if rate), default=0)
+    return min(seq_length, text_config.sliding_window + queries) + (seq_length // rate if rate else 0)
+
+
+def mla_latent_expansion(text_config, seq_length: int) -> int:
+    """GLM-5's MLA under chunked prefill (its cache holds the latent): each chunk expands the whole prefix's latent,
+    ``kv_b_proj``'s output ``[S, heads, nope + v]`` and the keys ``[heads, S, nope + rope]`` (the values are a view
+    of the former): elements per row in the compute dtype, alive during one layer's attention."""
+    nope, rope, value = text_config.qk_nope_head_dim, text_config.qk_rope_head_dim, text_config.v_head_dim
+    return seq_length * text_config.num_attention_heads * (2 * nope + value + rope)
 
 
 def compressed_rate(text_config, layer_type: str) -> int:
