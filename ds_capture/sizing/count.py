@@ -304,8 +304,8 @@ class Sizer:
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
             chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row if chunked else 0,
             carried_transient_bytes=B * self._chunk_transient(text, S, c, layout.tp_size) if chunked else 0,
-            # The indexer scores a chunk's queries in blocks (ds_capture.target.indexer_blocks).
-            indexer_queries=attention_sizes.indexer_block_queries(indexer // (B * S))
+            # The indexer scores a chunk's queries in blocks (ds_capture.target.query_blocks).
+            indexer_queries=attention_sizes.block_queries(indexer // (B * S))
             if chunked and indexer and family.chunk_query_blocks else None,
             chunk_keys=family.chunk_attention_keys(text, chunk_tokens, S)
             if chunked and family.chunk_attention_keys else None)
@@ -349,9 +349,9 @@ class Sizer:
 
     def _chunk_transient(self, text_config, seq_length: int, compute_bytes: int, tp_size: int) -> int:
         """What one attention layer expands from its carried state per chunk at S, one row: a NeMo carrier's
-        declared expansion, or the family's rule (GLM-5's latent to keys and values, split by heads over TP)."""
+        declared expansion, or the family's rule (GLM-5's latent attention, its heads split over TP)."""
         family = self.target.family
-        expansion = family.chunk_expansion(text_config, seq_length) * compute_bytes // tp_size \
+        expansion = family.chunk_expansion(text_config, seq_length, compute_bytes, tp_size) \
             if family.chunk_expansion else 0
         return max(self.carried_state().transient_bytes, expansion)
 

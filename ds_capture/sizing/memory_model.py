@@ -153,9 +153,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
     row's keys (the indexer's and the bias's rows too), and the stack holds ``carried_bytes``, the row's carried state
     (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
-    for the last chunk (a NeMo carrier's, or GLM-5's: MLA's prefix keys and values from the latent);
+    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent; GLM-5's latent keys and a
+    block of queries' scores against them);
     ``indexer_queries`` the queries an indexer scores at once under chunks (its block,
-    :func:`ds_capture.target.attention_sizes.indexer_block_queries`); ``chunk_keys`` the keys each of a chunk's
+    :func:`ds_capture.target.attention_sizes.block_queries`); ``chunk_keys`` the keys each of a chunk's
     queries attends to where that is fewer than the row's (DeepSeek-V4: a sliding window's tail and the compressed
     keys).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
@@ -199,7 +200,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     attention += max(scores, indexer_bytes)
     if Q < S and carried_transient_bytes:
         attention += carried_transient_bytes
-        note += f" + the prefix's keys and values expanded from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
+        note += f" + what one layer's attention builds from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
     blocks = [Term("attention block", attention, note),
               Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
                    "2 x every MLP projection's output on this rank")]

@@ -4,15 +4,15 @@ indexers, and DeepSeek-V4's compressed keys appended to every query's own. Pure 
 In: a family's text config, a batch and a sequence length. Out: bytes, or keys per query. The registry names these
 functions as data (``Family.indexer_scores``, ``Family.keys_per_query``); ``ds-capture plan``'s memory model
 calls them through the family. Under chunked prefill the indexers score a chunk's queries in blocks
-(:mod:`ds_capture.target.indexer_blocks`) of :func:`indexer_block_queries`, which plan counts the same way.
+(:mod:`ds_capture.target.query_blocks`) of :func:`block_queries`, which plan counts the same way.
 """
 
 from __future__ import annotations
 
-INDEXER_BLOCK_BYTES = 256 << 20
-"""Under chunked prefill, an indexer's scores (and torch's broadcast copy of its keys) per block of queries stay
-about this size: the block holds as many queries as fit, a multiple of :data:`INDEXER_BLOCK_MULTIPLE`."""
-INDEXER_BLOCK_MULTIPLE = 16
+QUERY_BLOCK_BYTES = 256 << 20
+"""Under chunked prefill, an indexer's scores (and torch's broadcast copy of its keys), or GLM-5's latent attention
+scores, per block of queries stay about this size: the block holds as many queries as fit, a multiple of :data:`QUERY_BLOCK_MULTIPLE`."""
+QUERY_BLOCK_MULTIPLE = 16
 """Queries per indexer block are a multiple of this (and at least this): DeepSeek-V4's compress rate 4 divides it."""
 
 
@@ -29,11 +29,11 @@ def csa_query_bytes(heads: int, dim: int, keys: int) -> int:
     return keys * 4 * max(dim + heads, 3 * heads)
 
 
-def indexer_block_queries(query_bytes: int) -> int:
-    """Queries per indexer block under chunked prefill: as many as fit :data:`INDEXER_BLOCK_BYTES` at
-    ``query_bytes`` each, rounded down to a multiple of :data:`INDEXER_BLOCK_MULTIPLE`, at least one multiple."""
-    fit = INDEXER_BLOCK_BYTES // max(query_bytes, 1)
-    return max(INDEXER_BLOCK_MULTIPLE, fit // INDEXER_BLOCK_MULTIPLE * INDEXER_BLOCK_MULTIPLE)
+def block_queries(query_bytes: int) -> int:
+    """Queries per block (an indexer's, a latent attention's) under chunked prefill: as many as fit :data:`QUERY_BLOCK_BYTES` at
+    ``query_bytes`` each, rounded down to a multiple of :data:`QUERY_BLOCK_MULTIPLE`, at least one multiple."""
+    fit = QUERY_BLOCK_BYTES // max(query_bytes, 1)
+    return max(QUERY_BLOCK_MULTIPLE, fit // QUERY_BLOCK_MULTIPLE * QUERY_BLOCK_MULTIPLE)
 
 
 def dsa_indexer_scores(text_config, batch: int, seq_length: int) -> int:
@@ -65,12 +65,22 @@ def compressed_chunk_keys(text_config, queries: int, seq_length: int) -> int:
     return min(seq_length, text_config.sliding_window + queries) + (seq_length // rate if rate else 0)
 
 
-def mla_latent_expansion(text_config, seq_length: int) -> int:
-    """GLM-5's MLA under chunked prefill (its cache holds the latent): each chunk expands the whole prefix's latent,
-    ``kv_b_proj``'s output ``[S, heads, nope + v]`` and the keys ``[heads, S, nope + rope]`` (the values are a view
-    of the former): elements per row in the compute dtype, alive during one layer's attention."""
-    nope, rope, value = text_config.qk_nope_head_dim, text_config.qk_rope_head_dim, text_config.v_head_dim
-    return seq_length * text_config.num_attention_heads * (2 * nope + value + rope)
+def latent_query_bytes(heads: int, keys: int, compute_bytes: int) -> int:
+    """One query of GLM-5's latent attention under chunked prefill (:class:`~ds_capture.target.query_blocks.
+    LatentMlaBlocks`) against ``keys`` latent keys: every head's scores, fp32 with their softmax and its cast to the
+    compute dtype, and the block's boolean masks."""
+    return keys * (heads * (8 + compute_bytes) + 3)
+
+
+def latent_attention_transient(text_config, seq_length: int, compute_bytes: int, tp_size: int) -> int:
+    """GLM-5's MLA under chunked prefill, one row: the latent keys of the prefix joined with their rotary part
+    (``[S, kv_lora_rank + rope]``) and one block of queries' scores against them (:func:`latent_query_bytes`), alive
+    during one layer's attention. Transformers would expand the prefix's latent to every head's keys and values
+    instead: ``[S, heads, 2 nope + v + rope]``, 11 GiB per layer at S = 131,072."""
+    heads = text_config.num_attention_heads // tp_size
+    per_query = latent_query_bytes(heads, seq_length, compute_bytes)
+    latent = seq_length * (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * compute_bytes
+    return latent + block_queries(per_query) * per_query
 
 
 def compressed_rate(text_config, layer_type: str) -> int:

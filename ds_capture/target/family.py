@@ -70,9 +70,9 @@ class Family:
     chunk_attention_keys: Callable[[Any, int, int], int] | None = None
     """Under chunked prefill, the keys each of a chunk's queries attends to, from the text config, the chunk and S,
     where fewer than the whole row's (DeepSeek-V4's sliding window tail + compressed keys; ds-capture plan)."""
-    chunk_expansion: Callable[[Any, int], int] | None = None
-    """Under chunked prefill, elements per row one attention layer expands from its carried state at S for every
-    chunk (GLM-5's MLA: the prefix's keys and values from the cached latent), split by TP (ds-capture plan)."""
+    chunk_expansion: Callable[[Any, int, int, int], int] | None = None
+    """Under chunked prefill, bytes per row one attention layer builds from its carried state at S for a chunk, from
+    the text config, S, the compute dtype's bytes and the TP degree (GLM-5's latent attention; ds-capture plan)."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -153,7 +153,7 @@ class Family:
     """Chunked prefill of a transformers-built family: class name of a module whose activations per chunk grow
     with the row (a sparse-attention indexer's scores against the prefix) -> ``module:Class`` whose ``forward``
     runs that module's own forward over blocks of the chunk's queries, so they grow with the block
-    (:mod:`ds_capture.target.indexer_blocks`; installed for one row's chunks like ``chunk_carriers``)."""
+    (:mod:`ds_capture.target.query_blocks`; installed for one row's chunks like ``chunk_carriers``)."""
 
     extra: Mapping[str, Any] = field(default_factory=dict)
 

@@ -56,7 +56,7 @@ _V41_EAGLE3 = (
 )
 _NEMO = "nemo_automodel.components.models"
 _KDA_MLA_CHUNKS = "ds_capture.target.nemo_kda_mla_chunks"
-_INDEXER_BLOCKS = "ds_capture.target.indexer_blocks"
+_QUERY_BLOCKS = "ds_capture.target.query_blocks"
 _NEMO_SDPA = "NeMo's class is built with its torch backend, BackendConfig(attn='sdpa', experts='torch')"
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
@@ -116,7 +116,7 @@ FAMILIES: dict[str, Family] = {
             caveat=_DSA_TIES.format(two="2.8", sixteen="1e-5").replace("the DSA indexer", "the compressed-attention "
                                                                         "indexer (as DSA's)"),
             tp_plan=_V4_TP_PLAN, tp_replicates_kv_heads=True,
-            chunk_query_blocks={"DeepseekV4Indexer": f"{_INDEXER_BLOCKS}:CsaIndexerBlocks"},
+            chunk_query_blocks={"DeepseekV4Indexer": f"{_QUERY_BLOCKS}:CsaIndexerBlocks"},
             chunk_attention_keys=attention_sizes.compressed_chunk_keys,
         ),
         # GLM-5.x: dense first layers (no experts there), DSA indexer attention. AutoTP mis-shards the DSA indexer
@@ -125,8 +125,10 @@ FAMILIES: dict[str, Family] = {
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
             indexer_scores=attention_sizes.dsa_indexer_scores,
             caveat=_DSA_TIES.format(two="10.3", sixteen="2e-6"),
-            chunk_query_blocks={"GlmMoeDsaIndexer": f"{_INDEXER_BLOCKS}:DsaIndexerBlocks"},
-            chunk_expansion=attention_sizes.mla_latent_expansion,
+            # Chunked prefill: the indexer and the MLA attention (on the cached latent) in blocks of queries.
+            chunk_query_blocks={"GlmMoeDsaIndexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks",
+                                "GlmMoeDsaAttention": f"{_QUERY_BLOCKS}:LatentMlaBlocks"},
+            chunk_expansion=attention_sizes.latent_attention_transient,
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
@@ -183,7 +185,7 @@ FAMILIES: dict[str, Family] = {
         # own head-parallel MLA plan, the indexer replicated.
         Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
                caveat=_DSA_TIES.format(two="8.7", sixteen="2e-6"), indexer_scores=attention_sizes.dsa_indexer_scores,
-               chunk_query_blocks={"DeepseekV32Indexer": f"{_INDEXER_BLOCKS}:DsaIndexerBlocks"}),
+               chunk_query_blocks={"DeepseekV32Indexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks"}),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",

@@ -6,7 +6,7 @@ several demo conversations joined) three times through ``run_capture``: whole ro
 chunk that does not divide S (300; 320 where the family computes in 64-token blocks). Against the whole-row cache:
 ``input_ids`` and ``loss_mask`` byte for byte, every captured state (fp32) within 1e-5 of its row's maximum.
 DSA families (GLM-5, DeepSeek-V3.2) and DeepSeek-V4's CSA indexer also compare each indexer's top-k set per query,
-whole row vs chunked, with the chunk's queries scored in blocks of 16 (``ds_capture.target.indexer_blocks``; the
+whole row vs chunked, with the chunk's queries scored in blocks of 16 (``ds_capture.target.query_blocks``; the
 same sets as the chunk scored at once).
 Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
 less, Qwen3 0.0 at 256.
@@ -132,7 +132,7 @@ def _indexer_topk(target: Path, model_type: str, input_ids: torch.Tensor, chunk:
                                         for m in FAMILIES])
 def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_path, monkeypatch, model_type):
     # Indexers score a chunk's queries in blocks as small as they go (16 queries), so the tiny rows take many.
-    monkeypatch.setattr(attention_sizes, "INDEXER_BLOCK_BYTES", 1)
+    monkeypatch.setattr(attention_sizes, "QUERY_BLOCK_BYTES", 1)
     target = family_target(model_type)
     whole = capture(target, long_data, tmp_path / "whole", "off")
     assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the rows are long: supervised tokens past S/2"
@@ -336,7 +336,7 @@ def test_plan_sizes_a_chunk_against_the_whole_row_and_auto_takes_the_largest_tha
 
 def test_plan_counts_an_indexer_block_not_the_chunk(tiny_target, tmp_path):
     """Under chunks, plan sizes a DSA indexer's scores for one block of queries against the row (what run computes,
-    ``ds_capture.target.indexer_blocks``), not the chunk's: GLM-5's tiny target at S = 16,384 in chunks of 4,096."""
+    ``ds_capture.target.query_blocks``), not the chunk's: GLM-5's tiny target at S = 16,384 in chunks of 4,096."""
     from ds_capture.sizing.command import plan_capture
 
     path = tmp_path / "plan-dsa.yaml"
@@ -348,7 +348,7 @@ def test_plan_counts_an_indexer_block_not_the_chunk(tiny_target, tmp_path):
     report = plan_capture(load_config(path), world_size=1, gpu_memory_gib=1000, compute_dtype="fp32", suggest=False,
                           count_dataset=False)
     per_query = attention_sizes.dsa_query_bytes(16, 16, 16384)  # the tiny indexer: 16 heads of 16
-    block = attention_sizes.indexer_block_queries(per_query)
+    block = attention_sizes.block_queries(per_query)
     assert block == 128 and f"a block of {block} queries ({block * per_query / 2**30:.1f} GiB" in \
         report.activation_largest.note
     assert report.activation_largest.bytes < 4096 * per_query / 4  # a chunk's scores would be 8 GiB
