@@ -184,20 +184,10 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     if fp32_row_parallel and tp_size > 1:
         attention += T * H * 4
         note += " + the fp32 row-parallel o_proj output"
-    scores = 0
-    if attn_implementation == "eager":
-        keys = chunk_keys if Q < S and chunk_keys else int(S * keys_per_query)
-        scores = eager_scores_bytes(B, shapes.attention_heads, Q, keys, c)
-        if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
-            scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
-        note += f" + eager attention's [B, {shapes.attention_heads}, {'S' if Q == S else Q}, {keys}] scores (3 live copies)"
-    if bias_bytes:
-        scores += bias_bytes
-        note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"
-    if indexer_bytes:
-        block = f" of a block of {indexer_rows} queries" if indexer_rows < Q else ""
-        note += f" + the sparse-attention indexer's fp32 scores{block} ({indexer_bytes / GIB:.1f} GiB, before the scores)"
-    attention += max(scores, indexer_bytes)
+    keys = chunk_keys if Q < S and chunk_keys else int(S * keys_per_query)
+    scores, scores_note = _score_terms(shapes, B=B, Q=Q, S=S, keys=keys, c=c, attn_implementation=attn_implementation,
+                                       bias_bytes=bias_bytes, indexer_bytes=indexer_bytes, indexer_rows=indexer_rows)
+    attention, note = attention + scores, note + scores_note
     if Q < S and carried_transient_bytes:
         attention += carried_transient_bytes
         note += f" + what one layer's attention builds from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
@@ -221,6 +211,25 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
                            + dequantized_experts_bytes, note + " + the shared experts"))
     return stack, max(blocks, key=lambda term: term.bytes)
+
+
+def _score_terms(shapes: BlockShapes, *, B: int, Q: int, S: int, keys: int, c: int, attn_implementation: str,
+                 bias_bytes: int, indexer_bytes: int, indexer_rows: int) -> tuple[int, str]:
+    """The attention's score-sized tensors of ``Q`` queries against ``keys`` keys: eager scores (and repeated keys /
+    values), a dense bias, or an indexer's scores of ``indexer_rows`` queries, whichever is larger (in turn)."""
+    scores, note = 0, ""
+    if attn_implementation == "eager":
+        scores = eager_scores_bytes(B, shapes.attention_heads, Q, keys, c)
+        if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
+            scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
+        note += f" + eager attention's [B, {shapes.attention_heads}, {'S' if Q == S else Q}, {keys}] scores (3 live copies)"
+    if bias_bytes:
+        scores += bias_bytes
+        note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"
+    if indexer_bytes:
+        block = f" of a block of {indexer_rows} queries" if indexer_rows < Q else ""
+        note += f" + the sparse-attention indexer's fp32 scores{block} ({indexer_bytes / GIB:.1f} GiB, before the scores)"
+    return max(scores, indexer_bytes), note
 
 
 def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_bytes: int) -> int:
