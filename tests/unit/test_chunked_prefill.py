@@ -352,3 +352,45 @@ def test_plan_counts_an_indexer_block_not_the_chunk(tiny_target, tmp_path):
     assert block == 128 and f"a block of {block} queries ({block * per_query / 2**30:.1f} GiB" in \
         report.activation_largest.note
     assert report.activation_largest.bytes < 4096 * per_query / 4  # a chunk's scores would be 8 GiB
+
+
+@pytest.mark.parametrize("model_type, index_topk", [("glm_moe_dsa", 40), ("deepseek_v4", 16)])
+def test_query_blocks_equal_the_whole_row_where_a_block_sees_fewer_keys_than_top_k(monkeypatch, model_type, index_topk):
+    """A block of 16 queries early in the row sees fewer keys than ``index_topk`` (its top-k is narrower than the
+    chunk's and is filled with keys none of its queries may attend to): the top-k sets and the states are still the
+    whole row's. Tiny random-init targets, 160 tokens in chunks of 80."""
+    import transformers
+
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.demo import TINY_CONFIGS
+
+    monkeypatch.setattr(attention_sizes, "QUERY_BLOCK_BYTES", 1)  # blocks of 16 queries
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], "vocab_size": 512,
+                                                              "index_topk": index_topk})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    indexer = next(m for name, m in model.named_modules() if name.endswith("indexer"))
+    layer = model.model.layers[-1]
+    seen: dict[str, list[torch.Tensor]] = {"topk": [], "states": []}
+    indexer.register_forward_hook(lambda _m, _a, out: seen["topk"].append(out.long()))
+    layer.register_forward_hook(lambda _m, _a, out: seen["states"].append(out[0] if isinstance(out, tuple) else out))
+    ids = torch.randint(3, 500, (1, 160))
+    kwargs = {"use_cache": False, "logits_to_keep": 1}
+    with torch.no_grad():
+        model(input_ids=ids, **kwargs)
+        whole = {key: torch.cat(value, dim=1) for key, value in seen.items()}
+        for value in seen.values():
+            value.clear()
+        forward_in_chunks(model, {"input_ids": ids}, 80, kwargs,
+                          query_blocks=get_family(model_type).chunk_query_blocks)
+    blocks = {key: torch.cat(value, dim=1) for key, value in seen.items()}
+
+    def sets(topk: torch.Tensor) -> torch.Tensor:  # keys a query may attend to (DSA: causal; CSA: not -1)
+        if model_type == "deepseek_v4":
+            return topk.sort(dim=-1).values
+        return torch.where(topk <= torch.arange(topk.shape[1])[:, None], topk, -1).sort(dim=-1).values
+
+    assert blocks["topk"].shape == whole["topk"].shape
+    assert torch.equal(sets(blocks["topk"]), sets(whole["topk"]))
+    worst = ((blocks["states"] - whole["states"]).abs().max() / whole["states"].abs().max()).item()
+    assert worst <= 1e-5, worst
