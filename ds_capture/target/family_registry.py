@@ -185,7 +185,9 @@ FAMILIES: dict[str, Family] = {
         # own head-parallel MLA plan, the indexer replicated.
         Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
                caveat=_DSA_TIES.format(two="8.7", sixteen="2e-6"), indexer_scores=attention_sizes.dsa_indexer_scores,
-               chunk_query_blocks={"DeepseekV32Indexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks"}),
+               chunk_query_blocks={"DeepseekV32Indexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks",
+                                   "DeepseekV32Attention": f"{_QUERY_BLOCKS}:V32LatentMlaBlocks"},
+               chunk_expansion=attention_sizes.latent_attention_transient),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",

@@ -22,6 +22,8 @@ puts them in front of the modules for one row's chunks. Whole rows never pass th
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -83,7 +85,8 @@ class CsaIndexerBlocks:
 
 
 class LatentMlaBlocks:
-    """GLM-5's MLA attention (``GlmMoeDsaAttention``) under chunked prefill, computed on its cached latent.
+    """GLM-5's MLA attention (``GlmMoeDsaAttention``; DeepSeek-V3.2's, :class:`V32LatentMlaBlocks`) under chunked
+    prefill, computed on its cached latent.
 
     Its cache holds each token's latent (``kv_a_layernorm``'s 512 and the rotated 64), and transformers expands the
     whole prefix's latent to every head's keys and values for each chunk: ``[T, 64, 704]``, 11 GiB per layer at
@@ -94,17 +97,21 @@ class LatentMlaBlocks:
     attention up to float summation order (fp32: within 1e-5 of the row maximum, tests/unit/test_chunked_prefill.py).
     The rest (projections, the cache update, the indexer or the shared top-k, ``o_proj``) is the module's own."""
 
+    returns_topk = True
+    """GLM-5's attention returns its top-k for the next layers ("shared" indexer layers); DeepSeek-V3.2's does not."""
+
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
         m = self.module
         if cache is None:
+            shared = {"prev_topk_indices": prev_topk_indices} if self.returns_topk else {}
             return type(m).forward(m, hidden_states, position_embeddings, attention_mask, cache=cache,
-                                   position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
+                                   position_ids=position_ids, **shared, **kwargs)
+        # The module's own interleaved rotary (GLM-5's and DeepSeek-V3.2's modeling files each define it).
+        apply_rotary_pos_emb_interleave = importlib.import_module(type(m).__module__).apply_rotary_pos_emb_interleave
         batch, num_queries = hidden_states.shape[:-1]
         # As GlmMoeDsaAttention.forward: queries, this chunk's latent, rotary, the cache (now prefix + chunk).
         q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
@@ -116,7 +123,7 @@ class LatentMlaBlocks:
         q_rot, k_rot = apply_rotary_pos_emb_interleave(
             q_rot, k_rot.view(batch, 1, num_queries, m.qk_rope_head_dim), cos, sin)
         k_pass, k_rot = cache.update(k_pass, k_rot, m.layer_idx, kwargs=kwargs)
-        if m.indexer is not None:
+        if m.indexer is not None:  # GLM-5's "shared" layers have none: they take the previous layer's
             topk = m.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids,
                              cache=cache)
         elif prev_topk_indices is None:
@@ -131,7 +138,7 @@ class LatentMlaBlocks:
         latent_out = self._attend(query, keys, k_pass[:, 0], attention_mask, topk)  # [B, H, C, latent]
         output = torch.matmul(latent_out, w_value.transpose(-1, -2))  # [B, H, C, v]
         output = m.o_proj(output.transpose(1, 2).reshape(batch, num_queries, -1))
-        return output, None, topk
+        return (output, None, topk) if self.returns_topk else (output, None)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention_mask: torch.Tensor,
                 topk: torch.Tensor) -> torch.Tensor:
@@ -159,3 +166,9 @@ class LatentMlaBlocks:
             del scores
             outputs.append(torch.matmul(probs, values).view(batch, heads, size, -1))
         return torch.cat(outputs, dim=2)
+
+
+class V32LatentMlaBlocks(LatentMlaBlocks):
+    """DeepSeek-V3.2's MLA attention (``DeepseekV32Attention``): as GLM-5's, every layer with its own indexer."""
+
+    returns_topk = False
