@@ -65,6 +65,19 @@ def compressed_chunk_keys(text_config, queries: int, seq_length: int) -> int:
     return min(seq_length, text_config.sliding_window + queries) + (seq_length // rate if rate else 0)
 
 
+LATENT_ATTENTION_FROM_BYTES = 1 << 30
+"""GLM-5's and DeepSeek-V3.2's MLA under chunked prefill attend on the cached latent only where transformers'
+expansion of the prefix (:func:`mla_expansion_bytes`) would exceed this: below it the module's own forward runs,
+whose sums are the chunked path's as before (the latent attention sums in another order, and a near-tie of two
+index scores downstream can then fall the other way)."""
+
+
+def mla_expansion_bytes(heads: int, keys: int, nope: int, rope: int, value: int, compute_bytes: int) -> int:
+    """Transformers' MLA over ``keys`` cached latents: ``kv_b_proj``'s output ``[T, heads, nope + v]`` and the keys
+    ``[heads, T, nope + rope]`` (the values are a view of the former), in the compute dtype."""
+    return keys * heads * (2 * nope + value + rope) * compute_bytes
+
+
 def latent_query_bytes(heads: int, keys: int, compute_bytes: int) -> int:
     """One query of GLM-5's latent attention under chunked prefill (:class:`~ds_capture.target.query_blocks.
     LatentMlaBlocks`) against ``keys`` latent keys: every head's scores, fp32 with their softmax and its cast to the
@@ -73,14 +86,19 @@ def latent_query_bytes(heads: int, keys: int, compute_bytes: int) -> int:
 
 
 def latent_attention_transient(text_config, seq_length: int, compute_bytes: int, tp_size: int) -> int:
-    """GLM-5's MLA under chunked prefill, one row: the latent keys of the prefix joined with their rotary part
-    (``[S, kv_lora_rank + rope]``) and one block of queries' scores against them (:func:`latent_query_bytes`), alive
-    during one layer's attention. Transformers would expand the prefix's latent to every head's keys and values
-    instead: ``[S, heads, 2 nope + v + rope]``, 11 GiB per layer at S = 131,072."""
-    heads = text_config.num_attention_heads // tp_size
+    """GLM-5's MLA under chunked prefill, one row, alive during one layer's attention: transformers' expansion of
+    the prefix (:func:`mla_expansion_bytes`; 11 GiB per layer at S = 131,072) while it stays under
+    :data:`LATENT_ATTENTION_FROM_BYTES`, then the attention on the latent: the prefix's latent keys joined with their
+    rotary part (``[S, kv_lora_rank + rope]``) and one block of queries' scores against them."""
+    text = text_config
+    heads = text.num_attention_heads // tp_size
+    expanded = mla_expansion_bytes(heads, seq_length, text.qk_nope_head_dim, text.qk_rope_head_dim, text.v_head_dim,
+                                   compute_bytes)
     per_query = latent_query_bytes(heads, seq_length, compute_bytes)
-    latent = seq_length * (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * compute_bytes
-    return latent + block_queries(per_query) * per_query
+    latent = seq_length * (text.kv_lora_rank + text.qk_rope_head_dim) * compute_bytes
+    if expanded <= LATENT_ATTENTION_FROM_BYTES:
+        return expanded
+    return max(LATENT_ATTENTION_FROM_BYTES, latent + block_queries(per_query) * per_query)
 
 
 def compressed_rate(text_config, layer_type: str) -> int:

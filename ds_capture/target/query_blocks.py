@@ -106,7 +106,7 @@ class LatentMlaBlocks:
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
         m = self.module
-        if cache is None:
+        if cache is None or not self._expansion_too_large(cache, hidden_states):
             shared = {"prev_topk_indices": prev_topk_indices} if self.returns_topk else {}
             return type(m).forward(m, hidden_states, position_embeddings, attention_mask, cache=cache,
                                    position_ids=position_ids, **shared, **kwargs)
@@ -139,6 +139,15 @@ class LatentMlaBlocks:
         output = torch.matmul(latent_out, w_value.transpose(-1, -2))  # [B, H, C, v]
         output = m.o_proj(output.transpose(1, 2).reshape(batch, num_queries, -1))
         return (output, None, topk) if self.returns_topk else (output, None)
+
+    def _expansion_too_large(self, cache, hidden_states: torch.Tensor) -> bool:
+        """Would transformers' expansion of the prefix and this chunk exceed ``LATENT_ATTENTION_FROM_BYTES``?"""
+        m = self.module
+        keys = cache.get_seq_length(m.layer_idx) + hidden_states.shape[1]
+        heads = m.kv_b_proj.weight.shape[0] // (m.qk_nope_head_dim + m.v_head_dim)  # this rank's heads
+        expanded = attention_sizes.mla_expansion_bytes(heads, keys, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                                       m.v_head_dim, hidden_states.element_size())
+        return hidden_states.shape[0] * expanded > attention_sizes.LATENT_ATTENTION_FROM_BYTES
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention_mask: torch.Tensor,
                 topk: torch.Tensor) -> torch.Tensor:

@@ -354,17 +354,19 @@ def test_plan_counts_an_indexer_block_not_the_chunk(tiny_target, tmp_path):
     assert report.activation_largest.bytes < 4096 * per_query / 4  # a chunk's scores would be 8 GiB
 
 
-@pytest.mark.parametrize("model_type, index_topk", [("glm_moe_dsa", 40), ("deepseek_v4", 16)])
+@pytest.mark.parametrize("model_type, index_topk", [("glm_moe_dsa", 40), ("deepseek_v32", 40), ("deepseek_v4", 16)])
 def test_query_blocks_equal_the_whole_row_where_a_block_sees_fewer_keys_than_top_k(monkeypatch, model_type, index_topk):
     """A block of 16 queries early in the row sees fewer keys than ``index_topk`` (its top-k is narrower than the
     chunk's and is filled with keys none of its queries may attend to): the top-k sets and the states are still the
-    whole row's. Tiny random-init targets, 160 tokens in chunks of 80."""
+    whole row's. GLM-5's and DeepSeek-V3.2's MLA attend on the latent throughout (as past
+    ``LATENT_ATTENTION_FROM_BYTES``). Tiny random-init targets, 160 tokens in chunks of 80."""
     import transformers
 
     from ds_capture.capture.chunked import forward_in_chunks
     from ds_capture.demo import TINY_CONFIGS
 
     monkeypatch.setattr(attention_sizes, "QUERY_BLOCK_BYTES", 1)  # blocks of 16 queries
+    monkeypatch.setattr(attention_sizes, "LATENT_ATTENTION_FROM_BYTES", 0)
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], "vocab_size": 512,
                                                               "index_topk": index_topk})
