@@ -308,7 +308,7 @@ class Sizer:
             indexer_queries=attention_sizes.block_queries(indexer // (B * S))
             if chunked and indexer and family.chunk_query_blocks else None,
             chunk_keys=family.chunk_attention_keys(text, chunk_tokens, S)
-            if chunked and family.chunk_attention_keys else None)
+            if chunked and family.chunk_attention_keys else None, sdpa_mask_copy=not family.chunk_expansion)
         activation = sum(t.bytes for t in stack) + largest.bytes
         num_layers = self.target.num_hidden_layers
         capture_term, capture_host = mm.capture_terms(

@@ -138,8 +138,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
                              carried_bytes: int = 0, carried_transient_bytes: int = 0,
-                             indexer_queries: int | None = None, chunk_keys: int | None = None
-                             ) -> tuple[list[Term], Term]:
+                             indexer_queries: int | None = None, chunk_keys: int | None = None,
+                             sdpa_mask_copy: bool = True) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -158,7 +158,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``indexer_queries`` the queries an indexer scores at once under chunks (its block,
     :func:`ds_capture.target.attention_sizes.block_queries`); ``chunk_keys`` the keys each of a chunk's
     queries attends to where that is fewer than the row's (DeepSeek-V4: a sliding window's tail and the compressed
-    keys).
+    keys); ``sdpa_mask_copy``: under chunks, sdpa turns the boolean ``[B, 1, C, S]`` mask into an additive one in
+    the compute dtype (False where the family's chunked attention takes no sdpa: GLM-5's on the latent).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -188,6 +189,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     scores, scores_note = _score_terms(shapes, B=B, Q=Q, S=S, keys=keys, c=c, attn_implementation=attn_implementation,
                                        bias_bytes=bias_bytes, indexer_bytes=indexer_bytes, indexer_rows=indexer_rows)
     attention, note = attention + scores, note + scores_note
+    if Q < S and attn_implementation == "sdpa" and sdpa_mask_copy:
+        attention += B * Q * keys * c
+        note += f" + sdpa's additive copy of the chunk's [B, 1, {Q}, {keys}] mask"
     if Q < S and carried_transient_bytes:
         attention += carried_transient_bytes
         note += f" + what one layer's attention builds from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
@@ -195,22 +199,29 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
               Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
                    "2 x every MLP projection's output on this rank")]
     if shapes.experts_per_token:
-        P, I = T * shapes.experts_per_token, shapes.expert_intermediate
-        expert_math = P * (3 * H + 3 * I) * c  # gathered rows, gate_up [2I], act [I], out [H], weighted [H]
-        combine = P * H * 4  # routing weights are fp32: the weighted [T, K, H] product is fp32
-        if ep_size > 1:
-            dispatch = 4 * P * H * c  # send, receive, return trip, pairs back in order
-            routed = dispatch + max(expert_math, combine)
-            note = (f"expert-parallel dispatch 4 x [T*K, H] + expert math on T*K = {P:,} pairs "
-                    f"(balanced routing)")
-        else:
-            routed = expert_math + combine
-            note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
-        if dequantized_experts_bytes:
-            note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
-        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
-                           + dequantized_experts_bytes, note + " + the shared experts"))
+        blocks.append(_moe_block(shapes, T=T, c=c, ep_size=ep_size, dequantized_experts_bytes=dequantized_experts_bytes))
     return stack, max(blocks, key=lambda term: term.bytes)
+
+
+def _moe_block(shapes: BlockShapes, *, T: int, c: int, ep_size: int, dequantized_experts_bytes: int) -> Term:
+    """The MoE block of ``T`` tokens: the expert-parallel dispatch or the grouped experts' math on T x K pairs, the
+    shared experts, and one layer's resident experts dequantized."""
+    H = shapes.hidden_size
+    P, I = T * shapes.experts_per_token, shapes.expert_intermediate
+    expert_math = P * (3 * H + 3 * I) * c  # gathered rows, gate_up [2I], act [I], out [H], weighted [H]
+    combine = P * H * 4  # routing weights are fp32: the weighted [T, K, H] product is fp32
+    if ep_size > 1:
+        dispatch = 4 * P * H * c  # send, receive, return trip, pairs back in order
+        routed = dispatch + max(expert_math, combine)
+        note = (f"expert-parallel dispatch 4 x [T*K, H] + expert math on T*K = {P:,} pairs "
+                f"(balanced routing)")
+    else:
+        routed = expert_math + combine
+        note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
+    if dequantized_experts_bytes:
+        note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
+    return Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c + dequantized_experts_bytes,
+                note + " + the shared experts")
 
 
 def _score_terms(shapes: BlockShapes, *, B: int, Q: int, S: int, keys: int, c: int, attn_implementation: str,
