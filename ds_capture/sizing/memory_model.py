@@ -255,14 +255,15 @@ def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, n
     Whole rows: the hooked layers' outputs held until the forward ends (``num_held`` of them, in the compute dtype)
     and the collected ``[B, S, H*k]`` + ``[B, S, H]`` in the cache dtype, all on the device. Chunked (``run``): each
     chunk's captures leave the device as they are recorded, so the device holds one chunk's hooked outputs at most
-    and the row's (held and collected) are on the host."""
+    and the row's (held and collected, the pieces of each hooked layer and their join) are on the host."""
     T = micro_batch_size * seq_length
     held = num_held * T * hidden_size * compute_bytes
     collected = (num_layer_ids + 1) * T * hidden_size * cache_bytes
     if chunk_tokens and chunk_tokens < seq_length:
+        # On the host, collect joins each layer's pieces (a copy) while the pieces are still held, then the states.
         return (Term("capture buffers", num_held * micro_batch_size * chunk_tokens * hidden_size * compute_bytes,
                      f"one chunk's {num_held} hooked layer outputs (the row's leave the device per chunk)"),
-                held + collected)
+                2 * held + collected)
     return Term("capture buffers", held + collected,
                 f"{num_held} hooked layer outputs held during the forward + the collected states"), 0
 
