@@ -14,10 +14,14 @@ conversations joined (cycled) until it fills S. Out: one JSON object on stdout:
   state, device captures, host captures and writer): the growth with S is the carried state and the captured
   output, not the activations.
 
-Each measurement is its own process (``--one``), so peaks do not leak between them. One intra-op thread.
+With ``--latent-from 0`` GLM-5's MLA attends on the cached latent from the first chunk (as at release sizes past about
+12K tokens; ``ds_capture.target.attention_sizes.LATENT_ATTENTION_FROM_BYTES``): on these tiny rows the default keeps
+transformers' attention, whose CPU math kernel materialises ``[heads, C, T]`` scores that plan (sized for a GPU's
+kernels) does not count. Each measurement is its own process (``--one``), so peaks do not leak between them. One
+intra-op thread.
 
     . .venv/bin/activate
-    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3]
+    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--latent-from 0]
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ def one(spec: dict) -> dict:
     import yaml
 
     torch.set_num_threads(1)
+    from ds_capture.target import attention_sizes
+
+    if spec.get("latent_from") is not None:  # GLM-5's attention on the latent from this many expanded bytes on
+        attention_sizes.LATENT_ATTENTION_FROM_BYTES = spec["latent_from"]
     from ds_capture.demo import demo_data_path
     from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
@@ -137,28 +145,37 @@ def main() -> None:
     parser.add_argument("--speed-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--latent-from", type=int, default=None,
+                        help="LATENT_ATTENTION_FROM_BYTES for the run (0: GLM-5's MLA on the latent from the first "
+                             "chunk, as at release sizes past 12K tokens; default: the package's)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
-    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed": {}, "memory": {}}
+    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "latent_from": args.latent_from, "speed": {},
+                    "memory": {}}
     for model_type in args.targets:
         runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
         for _ in range(args.repeats):  # interleaved, so load on the box hits all alike
             for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4), ("auto", "auto")):
-                got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk})
+                got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk,
+                               "latent_from": args.latent_from})
                 runs[name].append(got.get("seconds", float("nan")))
-        whole, chunked, auto = (statistics.median(runs[name]) for name in ("whole", "chunked", "auto"))
-        report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"], "auto_s": runs["auto"],
-                                       "median_whole_s": whole, "median_chunked_s": chunked, "median_auto_s": auto,
-                                       "ratio": round(chunked / whole, 3), "auto_ratio": round(auto / whole, 3)}
+        if not args.repeats:
+            report["speed"][model_type] = "not measured (--repeats 0)"
+        else:
+            whole, chunked, auto = (statistics.median(runs[name]) for name in ("whole", "chunked", "auto"))
+            report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"], "auto_s": runs["auto"],
+                                           "median_whole_s": whole, "median_chunked_s": chunked,
+                                           "median_auto_s": auto, "ratio": round(chunked / whole, 3),
+                                           "auto_ratio": round(auto / whole, 3)}
         rows = []
         for seq in args.seqs:
-            row = {"seq": seq, "chunked": measure({"work": str(work), "model_type": model_type, "seq": seq,
-                                                   "chunk": args.chunk})}
+            spec = {"work": str(work), "model_type": model_type, "seq": seq, "latent_from": args.latent_from}
+            row = {"seq": seq, "chunked": measure({**spec, "chunk": args.chunk})}
             if seq <= args.whole_max:
-                row["whole"] = measure({"work": str(work), "model_type": model_type, "seq": seq, "chunk": "off"})
+                row["whole"] = measure({**spec, "chunk": "off"})
             rows.append(row)
             print(json.dumps({model_type: row}), file=sys.stderr, flush=True)
         report["memory"][model_type] = rows
