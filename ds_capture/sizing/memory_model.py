@@ -190,7 +190,7 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                                        bias_bytes=bias_bytes, indexer_bytes=indexer_bytes, indexer_rows=indexer_rows)
     attention, note = attention + scores, note + scores_note
     if Q < S and attn_implementation == "sdpa" and sdpa_mask_copy:
-        attention += B * Q * keys * c
+        attention += B * Q * keys * (c + 1)  # where(mask.logical_not(), -inf, 0): a boolean and an additive copy
         note += f" + sdpa's additive copy of the chunk's [B, 1, {Q}, {keys}] mask"
     if Q < S and carried_transient_bytes:
         attention += carried_transient_bytes
