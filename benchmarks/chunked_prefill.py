@@ -6,19 +6,24 @@ Kimi K3 / DeepSeek-V4.1 release of ``tests/nemo_k3_release.py`` / ``tests/nemo_v
 ds_capture's carriers), one row per length made of the bundled demo conversations joined (cycled) until it fills S.
 Out: one JSON object on stdout:
 
-- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows and for chunks of
-  S/4, each the median of ``--repeats`` runs interleaved, and ``ratio`` = chunked / whole (goal <= 1.15);
+- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows, for chunks
+  of S/4 and for ``auto`` (no budget on a CPU: whole rows), each the median of ``--repeats`` runs interleaved, and
+  ``ratio`` = chunked / whole (goal <= 1.15), ``auto_ratio`` = auto / whole;
 - ``memory``: per target and S in ``--seqs``, the peak RSS of a fresh process capturing one row with chunks of
   ``--chunk`` (and whole rows where ``--whole-max`` allows), over the same process's RSS right after the model
-  loaded: the growth with S is the carried state and the captured output, not the activations. With ``--plan``,
-  beside it ``ds-capture plan``'s figures for the same recipe on one rank in fp32 (activations with the carried
-  state, device captures, host: what a CPU process holds of them all).
+  loaded, beside ``ds-capture plan``'s figures for the same recipe (``plan_growth_mb``: activations with the carried
+  state, device captures, host captures and writer): the growth with S is the carried state and the captured
+  output, not the activations.
 
-Each measurement is its own process (``--one``), so peaks do not leak between them. One intra-op thread.
+With ``--latent-from 0`` GLM-5's MLA attends on the cached latent from the first chunk (as at release sizes past about
+12K tokens; ``ds_capture.target.attention_sizes.LATENT_ATTENTION_FROM_BYTES``): on these tiny rows the default keeps
+transformers' attention, whose CPU math kernel materialises ``[heads, C, T]`` scores that plan (sized for a GPU's
+kernels) does not count. Each measurement is its own process (``--one``), so peaks do not leak between them. One
+intra-op thread.
 
     . .venv/bin/activate
-    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--plan]
-    python benchmarks/chunked_prefill.py --targets deepseek_v41 --plan > benchmarks/results/chunked_prefill_deepseek_v41.json
+    python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--latent-from 0]
+    python benchmarks/chunked_prefill.py --targets deepseek_v41 > benchmarks/results/chunked_prefill_deepseek_v41.json
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ def one(spec: dict) -> dict:
     import yaml
 
     torch.set_num_threads(1)
+    from ds_capture.target import attention_sizes
+
+    if spec.get("latent_from") is not None:  # GLM-5's attention on the latent from this many expanded bytes on
+        attention_sizes.LATENT_ATTENTION_FROM_BYTES = spec["latent_from"]
     from ds_capture.demo import demo_data_path
     from ds_capture.recipe.config import load_config
     from ds_capture.runner import run_capture
@@ -92,8 +101,25 @@ def one(spec: dict) -> dict:
     summary = run_capture(cfg, show_progress=False)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
-            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1),
-            **(_plan_mb(cfg) if spec.get("plan") else {})}
+            "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1), **_planned(cfg)}
+
+
+def _planned(cfg) -> dict:
+    """Plan's figures for the same recipe on this CPU (fp32 compute), MB: what it says grows beyond the loaded
+    model (activations incl. the carried state, the captures on the device, and on the host the row's captured
+    output and the writer's micro-batch), to read beside the measured growth (no flat runtime reserve on a CPU)."""
+    from ds_capture.sizing.command import plan_capture
+
+    report = plan_capture(cfg, world_size=1, gpu_memory_gib=1000, compute_dtype="fp32", suggest=False,
+                          count_dataset=False)
+    rank = report.ranks[0]
+    terms = {term.name: term.bytes for term in report.activation_terms}
+    mb = 1 << 20
+    return {"plan_chunk": report.chunk_tokens, "plan_activations_mb": round(rank.activation_bytes / mb, 1),
+            "plan_carried_mb": round(terms.get("carried state", 0) / mb, 1),
+            "plan_largest_block": f"{report.activation_largest.name} {report.activation_largest.bytes / mb:.1f}",
+            "plan_capture_device_mb": round(rank.capture_bytes / mb, 1), "plan_host_mb": round(rank.host_bytes / mb, 1),
+            "plan_growth_mb": round((rank.activation_bytes + rank.capture_bytes + rank.host_bytes) / mb, 1)}
 
 
 def _target(root: Path, model_type: str, family_target_builder) -> Path:
@@ -108,19 +134,6 @@ def _target(root: Path, model_type: str, family_target_builder) -> Path:
     if not (path / "config.json").is_file():  # written last by both writers
         getattr(importlib.import_module(module), writer)(path, seed=0, tokenizer=demo_tokenizer())
     return path
-
-
-def _plan_mb(cfg) -> dict:
-    """``ds-capture plan``'s figures for this recipe on one CPU rank in fp32 (MB): the forward's activations (the
-    carried state among them under chunks), the captures on the device and on the host."""
-    from ds_capture.sizing.command import plan_capture
-
-    report = plan_capture(cfg, world_size=1, compute_dtype="fp32", suggest=False, count_dataset=False)
-    rank = report.worst
-    return {"plan_activation_mb": round(rank.activation_bytes / 2**20, 1),
-            "plan_capture_mb": round(rank.capture_bytes / 2**20, 1),
-            "plan_host_mb": round(rank.host_bytes / 2**20, 1),
-            "plan_carried_mb": round((report.carried_state or {}).get("bytes_per_row", 0) / 2**20, 1)}
 
 
 def measure(spec: dict) -> dict:
@@ -140,30 +153,37 @@ def main() -> None:
     parser.add_argument("--speed-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
-    parser.add_argument("--plan", action="store_true", help="add plan's figures (fp32, one rank) to each memory run")
+    parser.add_argument("--latent-from", type=int, default=None,
+                        help="LATENT_ATTENTION_FROM_BYTES for the run (0: GLM-5's MLA on the latent from the first "
+                             "chunk, as at release sizes past 12K tokens; default: the package's)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
-    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed": {}, "memory": {}}
+    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "latent_from": args.latent_from, "speed": {},
+                    "memory": {}}
     for model_type in args.targets:
-        runs: dict[str, list[float]] = {"whole": [], "chunked": []}
-        for _ in range(args.repeats):  # interleaved, so load on the box hits both alike
-            for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4)):
-                got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk})
+        runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
+        for _ in range(args.repeats):  # interleaved, so load on the box hits all alike
+            for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4), ("auto", "auto")):
+                got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk,
+                               "latent_from": args.latent_from})
                 runs[name].append(got.get("seconds", float("nan")))
-        whole, chunked = statistics.median(runs["whole"]), statistics.median(runs["chunked"])
-        report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"],
-                                       "median_whole_s": whole, "median_chunked_s": chunked,
-                                       "ratio": round(chunked / whole, 3)}
+        if not args.repeats:
+            report["speed"][model_type] = "not measured (--repeats 0)"
+        else:
+            whole, chunked, auto = (statistics.median(runs[name]) for name in ("whole", "chunked", "auto"))
+            report["speed"][model_type] = {"whole_s": runs["whole"], "chunked_s": runs["chunked"], "auto_s": runs["auto"],
+                                           "median_whole_s": whole, "median_chunked_s": chunked,
+                                           "median_auto_s": auto, "ratio": round(chunked / whole, 3),
+                                           "auto_ratio": round(auto / whole, 3)}
         rows = []
         for seq in args.seqs:
-            row = {"seq": seq, "chunked": measure({"work": str(work), "model_type": model_type, "seq": seq,
-                                                   "chunk": args.chunk, "plan": args.plan})}
+            spec = {"work": str(work), "model_type": model_type, "seq": seq, "latent_from": args.latent_from}
+            row = {"seq": seq, "chunked": measure({**spec, "chunk": args.chunk})}
             if seq <= args.whole_max:
-                row["whole"] = measure({"work": str(work), "model_type": model_type, "seq": seq, "chunk": "off",
-                                        "plan": args.plan})
+                row["whole"] = measure({**spec, "chunk": "off"})
             rows.append(row)
             print(json.dumps({model_type: row}), file=sys.stderr, flush=True)
         report["memory"][model_type] = rows

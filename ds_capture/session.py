@@ -140,6 +140,7 @@ class TargetForward:
         self.chunk_tokens = chunk_tokens
         self.chunks_to_host = chunks_to_host
         self.carriers = target.family.chunk_carriers  # a NeMo-built family's own carriers of its layers' state
+        self.query_blocks = target.family.chunk_query_blocks  # indexers scoring a chunk's queries in blocks
         # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
         self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
                                                                                     "logits_to_keep": 1}
@@ -170,7 +171,7 @@ class TargetForward:
         self.hooks.to_host = chunked and self.chunks_to_host
         if chunked:
             return forward_in_chunks(self.model, inputs, self.chunk_tokens, self.forward_kwargs,
-                                     carriers=self.carriers)
+                                     carriers=self.carriers, query_blocks=self.query_blocks)
         return self.model(**inputs, **self.forward_kwargs)
 
 

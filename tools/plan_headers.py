@@ -48,6 +48,8 @@ def table_row(command: str, report) -> str:
     verdict = "fits" if report.fits else "**does not fit**"
     release = command.split("release_configs/")[1].split()[0]
     chunks = f", rows in chunks of {report.chunk_tokens}" if report.chunk_tokens else ""
+    if report.seq_length != 4096:  # the table's rows are S = 4096 unless they say otherwise (long rows)
+        chunks = f", S = {report.seq_length:,}" + chunks
     return (f"| {release} | {report.layout.describe()}, experts as {report.expert_storage.format}{chunks} | "
             + " | ".join(f"{v:.1f}" for v in kinds)
             + f" | {worst.param_bytes / gib:.1f} | {worst.activation_bytes / gib:.1f} ({report.activation_largest.name})"

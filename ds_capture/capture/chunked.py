@@ -12,7 +12,8 @@ Llama 4's chunked local attention; the index keys of DSA indexers (GLM-5, DeepSe
 is then taken over its whole causal prefix; DeepSeek-V4's compressor buffers; the recurrent and convolution
 state of Gated DeltaNet and KDA layers (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, GLM-5-Next). The family declares
 as data what it needs beyond that (:attr:`Family.chunk_multiple`: linear attention's 64-token blocks, DeepSeek-V4.1's
-compression groups) and which families carry nothing (:attr:`Family.chunk_refusal`; none today). NeMo's classes take no cache: a NeMo-built family
+compression groups; its indexers scoring a chunk's queries in blocks, :attr:`Family.chunk_query_blocks`) and which
+families carry nothing (:attr:`Family.chunk_refusal`; none today). NeMo's classes take no cache: a NeMo-built family
 declares one carrier per layer kind (:attr:`Family.chunk_carriers`), which :func:`carried_state` puts in front of
 NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`; DeepSeek-V4.1:
 :mod:`ds_capture.target.nemo_v41_chunks`).
@@ -24,7 +25,7 @@ its prefix, so memory grows with the row only through the carried state and the 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -59,26 +60,30 @@ def resolve_chunk_tokens(setting: int | str, family: Family, seq_length: int, *,
 
 
 def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], chunk_tokens: int,
-                      forward_kwargs: dict[str, Any], *, carriers: Mapping[str, str] | None = None) -> Any:
+                      forward_kwargs: dict[str, Any], *, carriers: Mapping[str, str] | None = None,
+                      query_blocks: Mapping[str, str] | None = None) -> Any:
     """The last chunk's output of ``model`` over ``inputs`` forwarded ``chunk_tokens`` at a time, in order.
 
     Forward hooks fire once per chunk, in order (the capture concatenates what they saw). The cache the model
     builds on the first chunk carries each layer's state to the next and is dropped with the row: the output
     keeps none of it. ``attention_mask`` (a client's, serve) covers the prefix and the chunk, as a cache expects.
     Collective for sharded engines: every rank forwards the same chunks (rows are padded to one length).
-    ``carriers``: the family's :attr:`Family.chunk_carriers` (a NeMo-built target): they carry the state instead."""
+    ``carriers``: the family's :attr:`Family.chunk_carriers` (a NeMo-built target): they carry the state instead.
+    ``query_blocks``: the family's :attr:`Family.chunk_query_blocks`, run in front of their modules for the row's
+    chunks (a sparse-attention indexer scoring blocks of a chunk's queries)."""
     if carriers:
         return _forward_with_carriers(model, inputs, chunk_tokens, forward_kwargs, carriers)
     input_ids = inputs["input_ids"]
     kwargs = {**forward_kwargs, "use_cache": True}
     cache, output = None, None
-    for start in range(0, input_ids.shape[1], chunk_tokens):
-        end = start + chunk_tokens
-        chunk = {"input_ids": input_ids[:, start:end]}
-        if "attention_mask" in inputs:
-            chunk["attention_mask"] = inputs["attention_mask"][:, :end]
-        output = model(**chunk, cache=cache, **kwargs)  # (transformers 5.24 renamed past_key_values to cache)
-        cache = output.cache
+    with carried_state(model, query_blocks) if query_blocks else nullcontext():
+        for start in range(0, input_ids.shape[1], chunk_tokens):
+            end = start + chunk_tokens
+            chunk = {"input_ids": input_ids[:, start:end]}
+            if "attention_mask" in inputs:
+                chunk["attention_mask"] = inputs["attention_mask"][:, :end]
+            output = model(**chunk, cache=cache, **kwargs)  # (transformers 5.24 renamed past_key_values to cache)
+            cache = output.cache
     output.cache = None  # the carried state goes with the row
     return output
 
@@ -101,7 +106,8 @@ def carried_state(model: torch.nn.Module, carriers: Mapping[str, str], row_token
                 held.append(kind(module, row_tokens))
                 module.forward = held[-1].forward  # an instance attribute: nn.Module.__call__ runs it, hooks too
                 installed.append(module)
-        assert installed, f"no module of {sorted(kinds)} in {type(model).__name__}: Family.chunk_carriers is stale"
+        assert installed, (f"no module of {sorted(kinds)} in {type(model).__name__}: the family's chunk_carriers / "
+                           f"chunk_query_blocks are stale")
         yield held
     finally:
         for module in installed:

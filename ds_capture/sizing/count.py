@@ -24,6 +24,7 @@ from ds_capture.sizing import memory_model as mm
 from ds_capture.sizing.cache_size import row_bytes
 from ds_capture.sizing.carried_state import CarriedState, carried_state_bytes
 from ds_capture.sizing.supervision import Supervision
+from ds_capture.target import attention_sizes
 from ds_capture.target.families import TargetInfo
 from ds_capture.target.shard_spec import Member, Placement
 
@@ -302,18 +303,23 @@ class Sizer:
         c = DTYPE_BYTES[self.compute_dtype]
         B, S, H = layout.micro_batch_size, args.seq_length, self.target.hidden_size
         family, text = self.target.family, table.text_config
+        chunked = bool(chunk_tokens and chunk_tokens < S)
+        indexer = family.indexer_scores(text, B, S) if family.indexer_scores else 0
         stack, largest = mm.forward_activation_terms(
             table.shapes, micro_batch_size=B, seq_length=S, compute_bytes=c, ep_size=layout.ep_size,
             tp_size=layout.tp_size, fp32_row_parallel=self.compute_dtype != "fp32",
             attn_implementation=table.attn_implementation,
             keys_per_query=family.keys_per_query(text) if family.keys_per_query else 1.0,
-            indexer_bytes=family.indexer_scores(text, B, S) if family.indexer_scores else 0,
+            indexer_bytes=indexer,
             bias_bytes=family.attention_bias(text, B, S, chunk_tokens, c) if family.attention_bias else 0,
             dequantized_experts_bytes=self._layer_experts_bytes(table) if storage.bytes_per_param else 0,
-            chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row
-            if chunk_tokens and chunk_tokens < S else 0,
-            carried_transient_bytes=B * self.carried_state().transient_bytes if chunk_tokens and chunk_tokens < S
-            else 0)
+            chunk_tokens=chunk_tokens, carried_bytes=B * self.carried_state().bytes_per_row if chunked else 0,
+            carried_transient_bytes=B * self._chunk_transient(text, S, c, layout.tp_size) if chunked else 0,
+            # The indexer scores a chunk's queries in blocks (ds_capture.target.query_blocks).
+            indexer_queries=attention_sizes.block_queries(indexer // (B * S))
+            if chunked and indexer and family.chunk_query_blocks else None,
+            chunk_keys=family.chunk_attention_keys(text, chunk_tokens, S)
+            if chunked and family.chunk_attention_keys else None, sdpa_mask_copy=not family.chunk_expansion)
         activation = sum(t.bytes for t in stack) + largest.bytes
         capture, capture_host = self._capture_bytes(B, S, chunk_tokens)
         micro_batch = B * row_bytes(self.cfg, self.target, self.layer_ids)  # as the cache kind stores its rows
@@ -366,6 +372,14 @@ class Sizer:
         """One row's carried state under chunked prefill, on any rank (a meta forward, counted once)."""
         return carried_state_bytes(self.target, self.cfg.recipe_args.seq_length, DTYPE_BYTES[self.compute_dtype],
                                    attn_implementation=self.cfg.recipe_args.target_attn_implementation)
+
+    def _chunk_transient(self, text_config, seq_length: int, compute_bytes: int, tp_size: int) -> int:
+        """What one attention layer expands from its carried state per chunk at S, one row: a NeMo carrier's
+        declared expansion, or the family's rule (GLM-5's latent attention, its heads split over TP)."""
+        family = self.target.family
+        expansion = family.chunk_expansion(text_config, seq_length, compute_bytes, tp_size) \
+            if family.chunk_expansion else 0
+        return max(self.carried_state().transient_bytes, expansion)
 
     @staticmethod
     def _layer_experts_bytes(table: _Table) -> int:

@@ -140,7 +140,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
                              ep_size: int, tp_size: int, fp32_row_parallel: bool, attn_implementation: str,
                              keys_per_query: float = 1.0, indexer_bytes: int = 0, bias_bytes: int = 0,
                              dequantized_experts_bytes: int = 0, chunk_tokens: int | None = None,
-                             carried_bytes: int = 0, carried_transient_bytes: int = 0) -> tuple[list[Term], Term]:
+                             carried_bytes: int = 0, carried_transient_bytes: int = 0,
+                             indexer_queries: int | None = None, chunk_keys: int | None = None,
+                             sdpa_mask_copy: bool = True) -> tuple[list[Term], Term]:
     """The live tensors of the heaviest moment of one forward at ``micro_batch_size x seq_length``.
 
     Returns (the terms alive through the whole layer stack, the largest per-block transient). The block
@@ -156,7 +158,13 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     ``chunk_tokens`` (``capture.chunked_prefill``): every per-token term counts one chunk's queries against the whole
     row's keys (the indexer's rows too), and the stack holds ``carried_bytes``, the row's carried state
     (:mod:`ds_capture.sizing.carried_state`); ``carried_transient_bytes`` what one layer's attention expands from it
-    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent).
+    for the last chunk (a NeMo carrier's: MLA's prefix keys and values from the latent; GLM-5's latent keys and a
+    block of queries' scores against them);
+    ``indexer_queries`` the queries an indexer scores at once under chunks (its block,
+    :func:`ds_capture.target.attention_sizes.block_queries`); ``chunk_keys`` the keys each of a chunk's
+    queries attends to where that is fewer than the row's (DeepSeek-V4: a sliding window's tail and the compressed
+    keys); ``sdpa_mask_copy``: under chunks, sdpa turns the boolean ``[B, 1, C, S]`` mask into an additive one in
+    the compute dtype (False where the family's chunked attention takes no sdpa: GLM-5's on the latent).
     Assumptions: every row at full ``seq_length`` (the worst micro-batch); sdpa's memory-efficient CUDA kernel (no
     [S, S] scores; on CPU, MLA's unequal q/v head dims fall back to the math kernel, which materialises them);
     balanced routing (each EP rank receives T*K pairs; a hot rank receives more). tests/unit/test_sizing_estimate.py
@@ -165,7 +173,8 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     B, S, H, c = micro_batch_size, seq_length, shapes.hidden_size, compute_bytes
     Q = min(chunk_tokens or S, S)  # queries per forward: the chunk's, or the whole row's
     T = B * Q
-    indexer_bytes = indexer_bytes * Q // S  # its rows are the queries (a bias is the family's own count at Q)
+    indexer_rows = min(Q, indexer_queries or Q) if Q < S else Q  # chunked: the indexer scores a block at a time
+    indexer_bytes = indexer_bytes * indexer_rows // S  # its rows are the queries (a bias is the family's own count at Q)
     stack = [
         Term("residual stream", 3 * T * H * shapes.residual_streams * c,
              f"hidden, residual and normed input [T, {shapes.residual_streams} x H]"),
@@ -181,9 +190,51 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
     if fp32_row_parallel and tp_size > 1:
         attention += T * H * 4
         note += " + the fp32 row-parallel o_proj output"
-    scores = 0
+    keys = chunk_keys if Q < S and chunk_keys else int(S * keys_per_query)
+    scores, scores_note = _score_terms(shapes, B=B, Q=Q, S=S, keys=keys, c=c, attn_implementation=attn_implementation,
+                                       bias_bytes=bias_bytes, indexer_bytes=indexer_bytes, indexer_rows=indexer_rows)
+    attention, note = attention + scores, note + scores_note
+    if Q < S and attn_implementation == "sdpa" and sdpa_mask_copy:
+        attention += B * Q * keys * (c + 1)  # where(mask.logical_not(), -inf, 0): a boolean and an additive copy
+        note += f" + sdpa's additive copy of the chunk's [B, 1, {Q}, {keys}] mask"
+    if Q < S and carried_transient_bytes:
+        attention += carried_transient_bytes
+        note += f" + what one layer's attention builds from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
+    blocks = [Term("attention block", attention, note),
+              Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
+                   "2 x every MLP projection's output on this rank")]
+    if shapes.experts_per_token:
+        blocks.append(_moe_block(shapes, T=T, c=c, ep_size=ep_size, dequantized_experts_bytes=dequantized_experts_bytes))
+    return stack, max(blocks, key=lambda term: term.bytes)
+
+
+def _moe_block(shapes: BlockShapes, *, T: int, c: int, ep_size: int, dequantized_experts_bytes: int) -> Term:
+    """The MoE block of ``T`` tokens: the expert-parallel dispatch or the grouped experts' math on T x K pairs, the
+    shared experts, and one layer's resident experts dequantized."""
+    H = shapes.hidden_size
+    P, I = T * shapes.experts_per_token, shapes.expert_intermediate
+    expert_math = P * (3 * H + 3 * I) * c  # gathered rows, gate_up [2I], act [I], out [H], weighted [H]
+    combine = P * H * 4  # routing weights are fp32: the weighted [T, K, H] product is fp32
+    if ep_size > 1:
+        dispatch = 4 * P * H * c  # send, receive, return trip, pairs back in order
+        routed = dispatch + max(expert_math, combine)
+        note = (f"expert-parallel dispatch 4 x [T*K, H] + expert math on T*K = {P:,} pairs "
+                f"(balanced routing)")
+    else:
+        routed = expert_math + combine
+        note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
+    if dequantized_experts_bytes:
+        note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
+    return Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c + dequantized_experts_bytes,
+                note + " + the shared experts")
+
+
+def _score_terms(shapes: BlockShapes, *, B: int, Q: int, S: int, keys: int, c: int, attn_implementation: str,
+                 bias_bytes: int, indexer_bytes: int, indexer_rows: int) -> tuple[int, str]:
+    """The attention's score-sized tensors of ``Q`` queries against ``keys`` keys: eager scores (and repeated keys /
+    values), a dense bias, or an indexer's scores of ``indexer_rows`` queries, whichever is larger (in turn)."""
+    scores, note = 0, ""
     if attn_implementation == "eager":
-        keys = int(S * keys_per_query)
         scores = eager_scores_bytes(B, shapes.attention_heads, Q, keys, c)
         if shapes.kv_heads < shapes.attention_heads:  # repeat_kv materialises keys and values per query head
             scores += 2 * B * shapes.attention_heads * keys * shapes.head_dim * c
@@ -192,31 +243,9 @@ def forward_activation_terms(shapes: BlockShapes, *, micro_batch_size: int, seq_
         scores += bias_bytes
         note += f" + the dense fp32 attention bias ({bias_bytes / GIB:.1f} GiB)"
     if indexer_bytes:
-        note += f" + the sparse-attention indexer's fp32 scores ({indexer_bytes / GIB:.1f} GiB, before the scores)"
-    attention += max(scores, indexer_bytes)
-    if Q < S and carried_transient_bytes:
-        attention += carried_transient_bytes
-        note += f" + the prefix's keys and values expanded from the carried state ({carried_transient_bytes / GIB:.1f} GiB)"
-    blocks = [Term("attention block", attention, note),
-              Term("dense / shared MLP block", 2 * T * shapes.mlp_outputs * c,
-                   "2 x every MLP projection's output on this rank")]
-    if shapes.experts_per_token:
-        P, I = T * shapes.experts_per_token, shapes.expert_intermediate
-        expert_math = P * (3 * H + 3 * I) * c  # gathered rows, gate_up [2I], act [I], out [H], weighted [H]
-        combine = P * H * 4  # routing weights are fp32: the weighted [T, K, H] product is fp32
-        if ep_size > 1:
-            dispatch = 4 * P * H * c  # send, receive, return trip, pairs back in order
-            routed = dispatch + max(expert_math, combine)
-            note = (f"expert-parallel dispatch 4 x [T*K, H] + expert math on T*K = {P:,} pairs "
-                    f"(balanced routing)")
-        else:
-            routed = expert_math + combine
-            note = f"grouped experts on T*K = {P:,} pairs + the fp32 weighted combine"
-        if dequantized_experts_bytes:
-            note += f" + the layer's resident experts dequantized ({dequantized_experts_bytes / GIB:.1f} GiB)"
-        blocks.append(Term("MoE block", routed + T * H * c + 2 * T * shapes.mlp_outputs * c
-                           + dequantized_experts_bytes, note + " + the shared experts"))
-    return stack, max(blocks, key=lambda term: term.bytes)
+        block = f" of a block of {indexer_rows} queries" if indexer_rows < Q else ""
+        note += f" + the sparse-attention indexer's fp32 scores{block} ({indexer_bytes / GIB:.1f} GiB, before the scores)"
+    return max(scores, indexer_bytes), note
 
 
 def eager_scores_bytes(batch: int, heads: int, queries: int, keys: int, compute_bytes: int) -> int:
@@ -231,14 +260,15 @@ def capture_terms(*, micro_batch_size: int, seq_length: int, hidden_size: int, n
     Whole rows: the hooked layers' outputs held until the forward ends (``num_held`` of them, in the compute dtype)
     and the collected ``[B, S, H*k]`` + ``[B, S, H]`` in the cache dtype, all on the device. Chunked (``run``): each
     chunk's captures leave the device as they are recorded, so the device holds one chunk's hooked outputs at most
-    and the row's (held and collected) are on the host."""
+    and the row's (held and collected, the pieces of each hooked layer and their join) are on the host."""
     T = micro_batch_size * seq_length
     held = num_held * T * hidden_size * compute_bytes
     collected = (num_layer_ids + 1) * T * hidden_size * cache_bytes
     if chunk_tokens and chunk_tokens < seq_length:
+        # On the host, collect joins each layer's pieces (a copy) while the pieces are still held, then the states.
         return (Term("capture buffers", num_held * micro_batch_size * chunk_tokens * hidden_size * compute_bytes,
                      f"one chunk's {num_held} hooked layer outputs (the row's leave the device per chunk)"),
-                held + collected)
+                2 * held + collected)
     return Term("capture buffers", held + collected,
                 f"{num_held} hooked layer outputs held during the forward + the collected states"), 0
 

@@ -68,6 +68,12 @@ class Family:
     attention_bias: Callable[[Any, int, int, int | None, int], int] | None = None
     """``(text config, B, S, chunk tokens or None, compute bytes) -> bytes`` of a dense attention bias the attention
     builds for a [B, S] batch (or one chunk of it), alive with its scores (plan)."""
+    chunk_attention_keys: Callable[[Any, int, int], int] | None = None
+    """Under chunked prefill, the keys each of a chunk's queries attends to, from the text config, the chunk and S,
+    where fewer than the whole row's (DeepSeek-V4's sliding window tail + compressed keys; ds-capture plan)."""
+    chunk_expansion: Callable[[Any, int, int, int], int] | None = None
+    """Under chunked prefill, bytes per row one attention layer builds from its carried state at S for a chunk, from
+    the text config, S, the compute dtype's bytes and the TP degree (GLM-5's latent attention; ds-capture plan)."""
     supports_tp: bool = True
     """AutoTP shards this family's attention correctly."""
     tp_refusal: str = ""
@@ -148,6 +154,11 @@ class Family:
     NeMo's model -> ``module:Class`` of the carrier whose ``forward`` replaces that module's for one row's chunks
     and carries its state (:mod:`ds_capture.target.nemo_kda_mla_chunks`; installed by
     :func:`ds_capture.capture.chunked.carried_state`). Empty: transformers' cache layers carry the state."""
+    chunk_query_blocks: Mapping[str, str] = field(default_factory=dict)
+    """Chunked prefill of a transformers-built family: class name of a module whose activations per chunk grow
+    with the row (a sparse-attention indexer's scores against the prefix) -> ``module:Class`` whose ``forward``
+    runs that module's own forward over blocks of the chunk's queries, so they grow with the block
+    (:mod:`ds_capture.target.query_blocks`; installed for one row's chunks like ``chunk_carriers``)."""
 
     extra: Mapping[str, Any] = field(default_factory=dict)
 

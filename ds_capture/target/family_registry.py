@@ -67,6 +67,7 @@ _V41_EAGLE3 = (
 _NEMO = "nemo_automodel.components.models"
 _KDA_MLA_CHUNKS = "ds_capture.target.nemo_kda_mla_chunks"
 _V41_CHUNKS = "ds_capture.target.nemo_v41_chunks"
+_QUERY_BLOCKS = "ds_capture.target.query_blocks"
 _NEMO_SDPA = "NeMo's class is built with its torch backend, BackendConfig(attn='sdpa', experts='torch')"
 
 # Head-parallel MLA (the low-rank q_a / kv_a projections, their norms and the DSA indexer replicated: the indexer
@@ -126,6 +127,8 @@ FAMILIES: dict[str, Family] = {
             caveat=_DSA_TIES.format(two="2.8", sixteen="1e-5").replace("the DSA indexer", "the compressed-attention "
                                                                         "indexer (as DSA's)"),
             tp_plan=_V4_TP_PLAN, tp_replicates_kv_heads=True,
+            chunk_query_blocks={"DeepseekV4Indexer": f"{_QUERY_BLOCKS}:CsaIndexerBlocks"},
+            chunk_attention_keys=attention_sizes.compressed_chunk_keys,
         ),
         # GLM-5.x: dense first layers (no experts there), DSA indexer attention. AutoTP mis-shards the DSA indexer
         # (self_attn.indexer.wk), so TP is our own head-parallel MLA plan, the indexer replicated.
@@ -133,6 +136,10 @@ FAMILIES: dict[str, Family] = {
             model_type="glm_moe_dsa", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
             indexer_scores=attention_sizes.dsa_indexer_scores,
             caveat=_DSA_TIES.format(two="10.3", sixteen="2e-6"),
+            # Chunked prefill: the indexer and the MLA attention (on the cached latent) in blocks of queries.
+            chunk_query_blocks={"GlmMoeDsaIndexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks",
+                                "GlmMoeDsaAttention": f"{_QUERY_BLOCKS}:LatentMlaBlocks"},
+            chunk_expansion=attention_sizes.latent_attention_transient,
         ),
         # Gemma 4 loads as Gemma4ForConditionalGeneration: the text stack sits under `language_model` and the
         # size fields live in `text_config`; only the text decoder is captured.
@@ -184,7 +191,10 @@ FAMILIES: dict[str, Family] = {
         # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer, which AutoTP mis-shards (self_attn.indexer.wk): TP is our
         # own head-parallel MLA plan, the indexer replicated.
         Family(model_type="deepseek_v32", moe_block="mlp", num_experts_key="n_routed_experts", tp_plan=_MLA_TP_PLAN,
-               caveat=_DSA_TIES.format(two="8.7", sixteen="2e-6")),
+               caveat=_DSA_TIES.format(two="8.7", sixteen="2e-6"), indexer_scores=attention_sizes.dsa_indexer_scores,
+               chunk_query_blocks={"DeepseekV32Indexer": f"{_QUERY_BLOCKS}:DsaIndexerBlocks",
+                                   "DeepseekV32Attention": f"{_QUERY_BLOCKS}:V32LatentMlaBlocks"},
+               chunk_expansion=attention_sizes.latent_attention_transient),
         # MiniMax-M2: q/k norms span all heads (one RMSNorm over num_heads * head_dim).
         Family(
             model_type="minimax_m2", moe_block="mlp", num_experts_key="num_local_experts",

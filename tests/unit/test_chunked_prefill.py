@@ -5,7 +5,9 @@ sharded release layout, DeepSeek-V4's hash routes randomised) captures rows of 2
 several demo conversations joined) three times through ``run_capture``: whole rows (``off``), chunks of 256, and a
 chunk that does not divide S (300; 320 where the family computes in 64-token blocks). Against the whole-row cache:
 ``input_ids`` and ``loss_mask`` byte for byte, every captured state (fp32) within 1e-5 of its row's maximum.
-DSA families (GLM-5, DeepSeek-V3.2) also compare each indexer's top-k set per query, whole row vs chunked.
+DSA families (GLM-5, DeepSeek-V3.2) and DeepSeek-V4's CSA indexer also compare each indexer's top-k set per query,
+whole row vs chunked, with the chunk's queries scored in blocks of 16 (``ds_capture.target.query_blocks``; the
+same sets as the chunk scored at once).
 The EAGLE-3 kind the same way, per family (aux layers 0, 2, 3 of the 4; a draft vocabulary of 256): aux states and
 ``target_probs`` within 1e-5 of the row maximum, every integer tensor byte for byte.
 Measured (2,048 tokens, chunks 256 / 320): worst 9.2e-6 (Qwen3-Next's Gated DeltaNet), most families 1e-6 or
@@ -32,6 +34,7 @@ from ds_capture.demo import demo_data_path
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import load_config
 from ds_capture.runner import run_capture
+from ds_capture.target import attention_sizes
 from ds_capture.target.families import get_family
 from tests.unit.test_families import family_target_builder
 
@@ -43,7 +46,7 @@ FAMILIES = {"qwen3": 300, "qwen3_moe": 300, "mixtral": 300, "deepseek_v3": 300, 
             "qwen3_next": 320, "deepseek_v32": 300, "minimax_m2": 300, "kimi_linear": 320, "gpt_oss": 300,
             "glm5_next": 320, "llama4": 300}
 CI_CUT = {"qwen3_next", "gemma4"}
-DSA_FAMILIES = {"glm_moe_dsa", "deepseek_v32"}
+INDEXER_FAMILIES = {"glm_moe_dsa", "deepseek_v32", "deepseek_v4"}  # DSA, and DeepSeek-V4's CSA indexer
 
 
 def long_rows(path: Path, num_rows: int, conversations_per_row: int = 60) -> Path:
@@ -87,24 +90,37 @@ def worst_row_difference(ours: dict[str, torch.Tensor], whole: dict[str, torch.T
     return worst
 
 
-def _indexer_topk(target: Path, model_type: str, input_ids: torch.Tensor, chunk: int | None) -> list[torch.Tensor]:
-    """Every DSA indexer's top-k sets ([S, k], sorted per query) over ``input_ids``, whole row or chunked."""
+def _indexer_topk(target: Path, model_type: str, input_ids: torch.Tensor, chunk: int | None, *,
+                  blocks: bool = True) -> list[torch.Tensor]:
+    """Every sparse-attention indexer's top-k sets ([S, k], sorted per query) over ``input_ids``, whole row or
+    chunked; ``blocks``: the family's indexers score the chunk's queries in blocks (as ``run`` does), and they did."""
     from ds_capture.capture.chunked import forward_in_chunks
     from tests.unit.test_families import reference_model
 
     model = reference_model(target, model_type)
     seen: dict[str, list[torch.Tensor]] = {}
+    indexers = [(name, module) for name, module in model.named_modules() if name.endswith("self_attn.indexer")
+                or name.endswith("compressor.indexer")]
+    assert indexers, f"{model_type}: no indexer module"
     handles = [module.register_forward_hook(lambda _m, _a, out, name=name: seen.setdefault(name, []).append(out))
-               for name, module in model.named_modules() if name.endswith("self_attn.indexer")]
-    assert handles, f"{model_type}: no self_attn.indexer module"
+               for name, module in indexers]
+    kind = type(indexers[0][1])
+    calls, own = [], kind.forward
+    kind.forward = lambda *args, **kwargs: calls.append(1) or own(*args, **kwargs)  # counts the module's forwards
     kwargs = {"use_cache": False, "logits_to_keep": 1}
-    with torch.no_grad():
-        if chunk is None:
-            model(input_ids=input_ids[None], **kwargs)
-        else:
-            forward_in_chunks(model, {"input_ids": input_ids[None]}, chunk, kwargs)
-    for handle in handles:
-        handle.remove()
+    try:
+        with torch.no_grad():
+            if chunk is None:
+                model(input_ids=input_ids[None], **kwargs)
+            else:
+                query_blocks = get_family(model_type).chunk_query_blocks if blocks else None
+                forward_in_chunks(model, {"input_ids": input_ids[None]}, chunk, kwargs, query_blocks=query_blocks)
+    finally:
+        kind.forward = own
+        for handle in handles:
+            handle.remove()
+    chunks = 1 if chunk is None else -(-input_ids.shape[0] // chunk)
+    assert (len(calls) > chunks * len(indexers)) == (chunk is not None and blocks), (model_type, len(calls))
     # A query with fewer than k keys before it takes masked (future) positions to fill its k, in an order that
     # depends on how many keys the forward had: those never reach the attention (the causal mask removes them).
     selected = []
@@ -117,7 +133,9 @@ def _indexer_topk(target: Path, model_type: str, input_ids: torch.Tensor, chunk:
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=() if m in CI_CUT else pytest.mark.slow)
                                         for m in FAMILIES])
-def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_path, model_type):
+def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_path, monkeypatch, model_type):
+    # Indexers score a chunk's queries in blocks as small as they go (16 queries), so the tiny rows take many.
+    monkeypatch.setattr(attention_sizes, "QUERY_BLOCK_BYTES", 1)
     target = family_target(model_type)
     whole = capture(target, long_data, tmp_path / "whole", "off")
     assert int(whole["loss_mask"][:, SEQ_LENGTH // 2:].sum()) > 0, "the rows are long: supervised tokens past S/2"
@@ -128,10 +146,13 @@ def test_chunked_cache_equals_the_whole_row_cache(family_target, long_data, tmp_
         worst = worst_row_difference(ours, whole)
         print(f"[chunked prefill] {model_type} chunk {chunk}: worst {worst:.2e} of the row maximum")
         assert worst <= 1e-5, (model_type, chunk, worst)
-    if model_type in DSA_FAMILIES:
+    if model_type in INDEXER_FAMILIES:
         ids = whole["input_ids"][0]
-        for a, b in zip(_indexer_topk(target, model_type, ids, None), _indexer_topk(target, model_type, ids, 300)):
-            assert torch.equal(a, b), f"{model_type}: an indexer's top-k set differs between whole row and chunks"
+        rows, blocks = _indexer_topk(target, model_type, ids, None), _indexer_topk(target, model_type, ids, 300)
+        chunks = _indexer_topk(target, model_type, ids, 300, blocks=False)
+        for row, blocked, chunked in zip(rows, blocks, chunks):
+            assert torch.equal(blocked, chunked), f"{model_type}: an indexer's blocks chose other keys than its chunks"
+            assert torch.equal(row, blocked), f"{model_type}: an indexer's top-k set differs between whole row and chunks"
 
 
 def assert_equal_caches(ours: dict, whole: dict, label: str, family: str) -> float:
@@ -336,3 +357,67 @@ def test_plan_sizes_a_chunk_against_the_whole_row_and_auto_takes_the_largest_tha
     assert auto.fits and auto.chunk_tokens is not None and auto.chunk_tokens % 64 == 0
     assert not _plan(tiny_target, tmp_path, auto.chunk_tokens * 2, budget).fits or auto.chunk_tokens * 2 >= 16384
     assert "chunked prefill: rows forwarded in chunks of" in auto.format()
+
+
+def test_plan_counts_an_indexer_block_not_the_chunk(tiny_target, tmp_path):
+    """Under chunks, plan sizes a DSA indexer's scores for one block of queries against the row (what run computes,
+    ``ds_capture.target.query_blocks``), not the chunk's: GLM-5's tiny target at S = 16,384 in chunks of 4,096."""
+    from ds_capture.sizing.command import plan_capture
+
+    path = tmp_path / "plan-dsa.yaml"
+    path.write_text(yaml.safe_dump({
+        "recipe_args": dict(target_model_name_or_path=str(tiny_target("glm_moe_dsa")), train_data_path="demo:conversations",
+                            cache_output_dir=str(tmp_path / "out"), seq_length=16384, micro_batch_size=1,
+                            cache_shard_size=1),
+        "capture": {"chunked_prefill": 4096}}))
+    report = plan_capture(load_config(path), world_size=1, gpu_memory_gib=1000, compute_dtype="fp32", suggest=False,
+                          count_dataset=False)
+    per_query = attention_sizes.dsa_query_bytes(16, 16, 16384)  # the tiny indexer: 16 heads of 16
+    block = attention_sizes.block_queries(per_query)
+    assert block == 128 and f"a block of {block} queries ({block * per_query / 2**30:.1f} GiB" in \
+        report.activation_largest.note
+    assert report.activation_largest.bytes < 4096 * per_query / 4  # a chunk's scores would be 8 GiB
+
+
+@pytest.mark.parametrize("model_type, index_topk", [("glm_moe_dsa", 40), ("deepseek_v32", 40), ("deepseek_v4", 16)])
+def test_query_blocks_equal_the_whole_row_where_a_block_sees_fewer_keys_than_top_k(monkeypatch, model_type, index_topk):
+    """A block of 16 queries early in the row sees fewer keys than ``index_topk`` (its top-k is narrower than the
+    chunk's and is filled with keys none of its queries may attend to): the top-k sets and the states are still the
+    whole row's. GLM-5's and DeepSeek-V3.2's MLA attend on the latent throughout (as past
+    ``LATENT_ATTENTION_FROM_BYTES``). Tiny random-init targets, 160 tokens in chunks of 80."""
+    import transformers
+
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.demo import TINY_CONFIGS
+
+    monkeypatch.setattr(attention_sizes, "QUERY_BLOCK_BYTES", 1)  # blocks of 16 queries
+    monkeypatch.setattr(attention_sizes, "LATENT_ATTENTION_FROM_BYTES", 0)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], "vocab_size": 512,
+                                                              "index_topk": index_topk})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    indexer = next(m for name, m in model.named_modules() if name.endswith("indexer"))
+    layer = model.model.layers[-1]
+    seen: dict[str, list[torch.Tensor]] = {"topk": [], "states": []}
+    indexer.register_forward_hook(lambda _m, _a, out: seen["topk"].append(out.long()))
+    layer.register_forward_hook(lambda _m, _a, out: seen["states"].append(out[0] if isinstance(out, tuple) else out))
+    ids = torch.randint(3, 500, (1, 160))
+    kwargs = {"use_cache": False, "logits_to_keep": 1}
+    with torch.no_grad():
+        model(input_ids=ids, **kwargs)
+        whole = {key: torch.cat(value, dim=1) for key, value in seen.items()}
+        for value in seen.values():
+            value.clear()
+        forward_in_chunks(model, {"input_ids": ids}, 80, kwargs,
+                          query_blocks=get_family(model_type).chunk_query_blocks)
+    blocks = {key: torch.cat(value, dim=1) for key, value in seen.items()}
+
+    def sets(topk: torch.Tensor) -> torch.Tensor:  # keys a query may attend to (DSA: causal; CSA: not -1)
+        if model_type == "deepseek_v4":
+            return topk.sort(dim=-1).values
+        return torch.where(topk <= torch.arange(topk.shape[1])[:, None], topk, -1).sort(dim=-1).values
+
+    assert blocks["topk"].shape == whole["topk"].shape
+    assert torch.equal(sets(blocks["topk"]), sets(whole["topk"]))
+    worst = ((blocks["states"] - whole["states"]).abs().max() / whole["states"].abs().max()).item()
+    assert worst <= 1e-5, worst
