@@ -83,7 +83,7 @@ class ServeOptions:
     max_held: int = 256
     """Requests queued plus held past which one is refused (503, ``Retry-After``)."""
     vocab_idle_s: float = 60.0
-    """A draft vocabulary no request used for this long is no longer live (see serve/app.py VocabMappings)."""
+    """A draft vocabulary no request used for this long is no longer live (see serve/vocabularies.py)."""
     vocab_dir: Path | None = None
     """Where each replica keeps its trainers' draft vocabularies (``replica-<d>/``), restored on a restart: a
     trainer rides through a requeue of the service with its vocabulary (``--vocab-dir``; None: memory only)."""

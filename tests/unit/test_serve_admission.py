@@ -22,7 +22,8 @@ import httpx
 import pytest
 import torch
 
-from ds_capture.serve.app import HttpServer, ServiceState, VocabMappings, build_app
+from ds_capture.serve.app import HttpServer, ServiceState, build_app
+from ds_capture.serve.vocabularies import VocabMappings
 from ds_capture.serve.metrics import ServeMetrics
 from ds_capture.serve.protocol import GenerateRequest
 from ds_capture.serve.scheduler import Job, Scheduler, Stopping, resolve
