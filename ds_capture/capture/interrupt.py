@@ -1,7 +1,8 @@
 """Preemption and Ctrl-C: SIGTERM or SIGINT on any rank stops every rank at the same micro-batch boundary.
 
 In:  the signals this process receives while a run is under way (:class:`StopOnSignal`, entered by the runner
-     around the whole run) and, at the top of every loop step, every rank's ballot (:meth:`StopVote.should_stop`).
+     around the whole run) and, at the top of every loop step, every rank's ballot (:meth:`StopVote.cast`; the
+     drivers cast theirs through ``session.Lockstep``, whose ballots carry the step's micro-batches too).
 Out: ``True`` from ``should_stop`` on every rank at the same step once any rank received a signal; the runner
      then lets the writer finish the shards whose rows are all written (with their checksum sidecars), deletes
      the ``.tmp`` of the others, and raises :class:`Interrupted` (a ``SystemExit`` with
