@@ -210,7 +210,8 @@ class Ballot:
     length: int = 0
     exit: bool = False
     samples: int = 0
-    """What the micro-batch adds to the job's progress (``run``'s writer ranks; 0 elsewhere), summed in :class:`Step`."""
+    """What the micro-batch adds to the job's progress (``run``'s writer ranks; 0 elsewhere), summed in
+    :class:`Step`."""
     tokens: int = 0
 
     def fields(self) -> tuple[int, ...]:

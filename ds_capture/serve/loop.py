@@ -237,7 +237,8 @@ class _ServeLoop:
                     try:
                         self._forward(step, jobs)
                     except BaseException as error:
-                        for job in jobs:  # dropped (a connection error, which NeMo's client retries): the service goes down
+                        # Dropped (a connection error, which NeMo's client retries): the service goes down.
+                        for job in jobs:
                             resolve(job.future, error=Stopping(f"the service failed: {type(error).__name__}"))
                         raise
                 if step.stop:

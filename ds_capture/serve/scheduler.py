@@ -186,7 +186,8 @@ class Scheduler:
         """Taken ``jobs`` are resolved (answered; None: every taken job). The loop takes the next forward's jobs
         while the last one's are answered, so several takes may be unanswered at once."""
         with self._cond:
-            self._taken = [] if jobs is None else [job for job in self._taken if all(job is not done for done in jobs)]
+            answered = {id(job) for job in jobs or ()}
+            self._taken = [] if jobs is None else [job for job in self._taken if id(job) not in answered]
 
     def _release(self, job: Job) -> None:
         self._rows -= job.request.num_rows

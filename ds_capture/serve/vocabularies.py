@@ -4,11 +4,12 @@ In: ``set_vocab_mapping`` bodies (parsed), the connection and host each came fro
 the draft vocabulary a ``generate`` is answered with, or a 409 naming the fix.
 
 NeMo 0.7.0's client sends no trainer identity (a ``requests.Session`` per URL; headers ``Content-Type`` and
-requests' defaults), and the TCP source port changes with every new connection. So a vocabulary is bound to the connection that set it, and a new connection (a keep-alive close, a
-retry, a restarted trainer) gets its host's one live vocabulary; with two different live ones on the host it is
-refused (409, naming the fix), never given the other trainer's. With a ``store`` directory each vocabulary is also
-kept on disk (the ``set_vocab_mapping`` body) and restored when a restarted service becomes ready, live for
-``idle_s``: a trainer riding through a restart (``launch/slurm.sbatch``'s requeue) keeps its vocabulary.
+requests' defaults), and the TCP source port changes with every new connection. So a vocabulary is bound to the
+connection that set it, and a new connection (a keep-alive close, a retry, a restarted trainer) gets its host's one
+live vocabulary; with two different live ones on the host it is refused (409, naming the fix), never given the
+other trainer's. With a ``store`` directory each vocabulary is also kept on disk (the ``set_vocab_mapping`` body)
+and restored when a restarted service becomes ready, live for ``idle_s``: a trainer riding through a restart
+(``launch/slurm.sbatch``'s requeue) keeps its vocabulary.
 """
 
 import hashlib
