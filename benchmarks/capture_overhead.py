@@ -57,7 +57,7 @@ def main() -> None:
     from ds_capture.parallel.single import build_single_model
     from ds_capture.recipe.config import load_config
     from ds_capture.capture.micro_batches import plan_micro_batches
-from ds_capture.runner import run_capture
+    from ds_capture.runner import run_capture
     from ds_capture.target.families import read_target_info
 
     target_dir = ensure_demo_target()

@@ -61,7 +61,7 @@ def main() -> None:
     from ds_capture.demo import demo_data_path, ensure_demo_target
     from ds_capture.recipe.config import load_config
     from ds_capture.capture.micro_batches import plan_micro_batches
-from ds_capture.runner import run_capture
+    from ds_capture.runner import run_capture
     from ds_capture.serve.wire import encode
 
     target_dir = ensure_demo_target()
