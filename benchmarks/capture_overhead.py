@@ -6,7 +6,7 @@ Out: one JSON object on stdout: for each path the median of ``--repeats`` runs (
 and ``ratio`` = capture tokens/s / bare tokens/s (goal: >= 0.9).
 
 - ``bare``: ``model.model(**batch.model_inputs())`` over the same micro-batches the runner
-  forwards (``runner.plan_micro_batches``: rows sorted by length within a shard, each batch cut to
+  forwards (``capture.micro_batches.plan_micro_batches``: rows sorted by length within a shard, each batch cut to
   its longest row rounded up), no hooks, no casts, no writes, model already loaded.
 - ``capture``: ``run_capture`` into a fresh directory; its capture loop (forwards with hooks, casts,
   asynchronous shard writes with fsync and checksums, until the last shard is on disk) is what the
@@ -56,7 +56,8 @@ def main() -> None:
     from ds_capture.demo import demo_data_path, ensure_demo_target
     from ds_capture.parallel.single import build_single_model
     from ds_capture.recipe.config import load_config
-    from ds_capture.runner import plan_micro_batches, run_capture
+    from ds_capture.capture.micro_batches import plan_micro_batches
+    from ds_capture.runner import run_capture
     from ds_capture.target.families import read_target_info
 
     target_dir = ensure_demo_target()

@@ -65,8 +65,8 @@ class Workload:
         return out
 
     def plan(self, options: CaptureOptions) -> list:
-        """The runner's own micro-batches (``runner.plan_micro_batches``) for every shard, in order."""
-        from ds_capture.runner import plan_micro_batches
+        """The runner's own micro-batches (``capture.micro_batches.plan_micro_batches``) for every shard, in order."""
+        from ds_capture.capture.micro_batches import plan_micro_batches
 
         return [batch for index, rows in self.shard_rows()
                 for batch in plan_micro_batches(index, rows, self.micro_batch_size, self.seq_length, options)]

@@ -9,7 +9,7 @@ batches each shard has just two batches and the positions computed drop only 1.6
 with 64-row shards 2.5x (the project's default shard is 256 rows).
 
 Both loops are the runner's compute loop (hooks, forward of the CausalLM, collect) over the
-runner's own micro-batches (``runner.plan_micro_batches``) with the same model and data; only the
+runner's own micro-batches (``capture.micro_batches.plan_micro_batches``) with the same model and data; only the
 plan differs: default ``CaptureOptions`` (length sorted within each shard, each batch at its longest
 row rounded up to 64) vs ``pad_to_multiple_of: 0, sort_by_length: false`` (every batch at S). No
 writes: this isolates the compute saved by trimming. Tokens are the non-padding tokens (same count).

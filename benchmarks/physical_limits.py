@@ -115,7 +115,7 @@ def _batches(cfg, work):
     from transformers import AutoTokenizer
 
     from ds_capture.data.tokenization import read_conversations, resolve_chat_template, tokenize_conversations
-    from ds_capture.runner import plan_micro_batches
+    from ds_capture.capture.micro_batches import plan_micro_batches
 
     args = cfg.recipe_args
     tokenizer = AutoTokenizer.from_pretrained(str(work.target))

@@ -32,7 +32,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -347,7 +346,6 @@ class RssSampler:
     def close(self, warm_up_s: float) -> dict:
         self._stop.set()
         self._thread.join(5)
-        after = [s for s in self.samples if s["t_s"] >= warm_up_s]
         return {"interval_s": self.interval_s, "phases_at_s": self.marks, "samples": self.samples,
                 **rss_growth(self.samples, warm_up_s), "warm_up_s": warm_up_s}
 

@@ -6,9 +6,9 @@ on stdout, every figure side by side from one run (medians of ``--repeats``, int
 - ``run``: ``run_capture`` (``cache_kind: eagle3``, the full vocabulary as the draft vocabulary) over the first
   ``--samples`` rows: its capture loop's tokens/s (forwards, supervision, asynchronous shard writes).
 - ``serve``: one ``ds-capture serve`` process over the same target, sent exactly the micro-batches ``run`` forwards
-  (``runner.plan_micro_batches``: the same rows, lengths and order) as ``generate`` requests over HTTP, by one
+  (``capture.micro_batches.plan_micro_batches``: the same rows, lengths and order) as ``generate`` requests over HTTP, by one
   client with one request in flight (NeMo's client: one per server) and by two clients at once; tokens/s from the
-  first request to the last answer. ``ratio`` = serve (one client) / run (goal >= 0.9).
+  first request to the last answer. ``ratio`` = serve (one client) / run (goal >= 0.95).
 - ``trainer``: NeMo 0.7.0's ``TrainEagle3Recipe`` (tools/nemo_oracle/train_eagle3.py, one epoch over
   ``--trainer-rows`` rows) steps/s with ``colocated`` and with ``remote`` (``target_prefetch_depth`` 1) against the
   service, and two remote trainers at once (their steps/s summed) vs one: both against one service, and each
@@ -60,7 +60,8 @@ def main() -> None:
     from ds_capture.data.tokenization import read_conversations
     from ds_capture.demo import demo_data_path, ensure_demo_target
     from ds_capture.recipe.config import load_config
-    from ds_capture.runner import plan_micro_batches, run_capture
+    from ds_capture.capture.micro_batches import plan_micro_batches
+    from ds_capture.runner import run_capture
     from ds_capture.serve.wire import encode
 
     target_dir = ensure_demo_target()
@@ -177,7 +178,7 @@ def main() -> None:
         "serve_one_client": {"seconds": _r(serve1_s), "median_tokens_per_s": round(serve_tps, 1)},
         "serve_two_clients": {"seconds": _r(serve2_s),
                               "median_tokens_per_s": round(num_tokens / statistics.median(serve2_s), 1)},
-        "ratio": round(serve_tps / run_tps, 3), "goal_ratio": 0.9,
+        "ratio": round(serve_tps / run_tps, 3), "goal_ratio": 0.95,
         "trainer": trainer,
     }, indent=2))
 

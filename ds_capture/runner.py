@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,7 +33,8 @@ from ds_capture.cache.common.files import (
 from ds_capture.cache.common.names import BOOKKEEPING_DIR, SKIPPED_ROWS_NAME
 from ds_capture.cache.dspark.format import Manifest
 from ds_capture.cache.kind import CacheKind
-from ds_capture.capture.interrupt import Interrupted, StopOnSignal, StopVote
+from ds_capture.capture.interrupt import Interrupted, StopOnSignal
+from ds_capture.capture.micro_batches import PlannedBatch, micro_batches_to_do
 from ds_capture.capture.progress import Progress, collective_device
 from ds_capture.capture.safety import OutputLock
 from ds_capture.data.tokenization import (
@@ -48,6 +49,8 @@ from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout, new_groups
 from ds_capture.recipe.config import RunConfig
 from ds_capture.session import (
+    Ballot,
+    Lockstep,
     build_target_model,
     distributed_target,
     continue_recorded_numerics,
@@ -230,53 +233,35 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
     device = next(model.parameters()).device
     kind.start(target, device=device, compute_dtype=resolve_compute_dtype(cfg.capture.compute_dtype),
                manifest=manifest, writes=plan.is_writer)
-    options, batches = _micro_batches(cfg, target, plan, manifest, rows_by_shard, done_shards)
+    options, batches = micro_batches_to_do(cfg, target, plan, manifest.num_shards, rows_by_shard.__getitem__,
+                                           done_shards)
     # Every forward of a sharded engine is a collective: all ranks run the same number of steps;
-    # ranks that run out of data forward a tiny padding batch whose output is discarded.
+    # ranks that run out of data forward a filler whose output is discarded (the Lockstep's).
     num_steps = all_reduce_max_int(len(batches))
     loop_started = time.perf_counter()
-    filler = _padding_batch(args.seq_length if target.family.full_width else min(args.seq_length, 8), pad_id)
     progress = Progress(total_samples=manifest.num_samples, already_done=_rows_in(manifest, done_shards),
-                        is_rank0=plan.rank == 0, count_local=plan.is_writer, show=show_progress,
+                        is_rank0=plan.rank == 0, show=show_progress,
                         metrics_path=out_dir / BOOKKEEPING_DIR / "metrics.jsonl", interval=options.metrics_interval_steps)
-    nonfinite: list[int] = []
     writer = kind.open_writer(out_dir, manifest, micro_batch_size=args.micro_batch_size,
                               buffer_mib=options.writer_buffer_mib, device=device)
-    vote, stopped_at = StopVote(stop), None  # StopVote: collective (a side group), every rank
+    # Each step's ballot is known in advance (cast VOTE_LAG_STEPS steps ahead); only writers count progress.
+    schedule = [Ballot(rows=len(batch.rows), length=batch.length, samples=len(batch.rows) * plan.is_writer,
+                       tokens=int(batch.num_tokens.sum()) * plan.is_writer) for batch in batches]
+    nonfinite: list[int] = []
     with _output_errors(out_dir), writer, target_forward(model, target, layer_ids, pre_norm_last=kind.pre_norm_last,
                                                          chunk_tokens=chunk_tokens, chunks_to_host=True) as forward:
-        for step in range(num_steps):
-            # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
-            # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.
-            if vote.should_stop():
-                stopped_at = step
-                writer.close(partial=True)
-                stop.finishing()
-                break
-            batch = batches[step] if step < len(batches) else None
-            inputs = {key: value.to(device) for key, value in
-                      (batch.model_inputs() if batch is not None else filler).items()}
-            # Only the last position's logits: EAGLE-3 computes its distribution in chunks from the final
-            # hidden state, checked against these last logits.
-            output = forward.forward(inputs, num_forwards=forward.agreed_forwards(inputs, plan.world_size))
-            if batch is None:
-                progress.step(step, 0, 0, writer=writer)
-                continue
-            item = kind.micro_batch(batch, forward.hooks, output, writes=plan.is_writer,
-                                    check_finite=lambda hidden, last: (
-                                        _check_finite(batch, hidden, last, manifest, options.nan_policy, nonfinite)))
-            if item is not None:
-                writer.put(item)
-            del item
-            progress.step(step, len(batch.rows), int(batch.num_tokens.sum()), writer=writer)
-    vote.close()
+        lockstep = Lockstep(forward, stop, device=device, seq_length=args.seq_length, pad_id=pad_id,
+                            schedule=schedule)
+        stopped_at = _capture_steps(kind, lockstep, batches, num_steps, writer, progress, manifest, plan,
+                                    options.nan_policy, nonfinite)
+    lockstep.close()
     progress.step(num_steps, 0, 0, writer=writer, final=True)
     progress.close()
     if nonfinite:
         _record_nonfinite(out_dir, nonfinite, plan)
     if stopped_at is not None:
         finished = len(done_shards) + _sum_over_ranks([writer.shards_written])[0]  # collective, as every rank stopped
-        raise Interrupted(f"stopped by {vote.reason()} after {stopped_at} of {num_steps} steps: {finished} of "
+        raise Interrupted(f"stopped by {lockstep.reason()} after {stopped_at} of {num_steps} steps: {finished} of "
                           f"{manifest.num_shards} shards are finished (with their checksums), no partial file is "
                           "left under a final name; rerun the same command to continue.")
 
@@ -284,19 +269,33 @@ def _capture(kind: CacheKind, cfg: RunConfig, target: TargetInfo, layer_ids: lis
                     started=started, loop_started=loop_started)
 
 
-def _micro_batches(cfg: RunConfig, target: TargetInfo, plan: ParallelLayout, manifest: Any,
-                   rows_by_shard: Any, done_shards: Any) -> tuple[Any, list]:
-    """This rank's micro-batches of the shards not done yet, and the capture options they were planned with
-    (``pad_to_multiple_of`` off where the family computes every row at ``seq_length``)."""
-    args, options = cfg.recipe_args, cfg.capture
-    if target.family.full_width and options.pad_to_multiple_of:
-        _LOG.info("capture.pad_to_multiple_of %d does not apply to model_type %r: every row is computed at "
-                  "seq_length %d (%s)", options.pad_to_multiple_of, target.model_type, args.seq_length,
-                  target.family.width_reason)
-        options = replace(options, pad_to_multiple_of=0)
-    todo = [index for index in plan.shard_range(manifest.num_shards) if index not in done_shards]
-    return options, [batch for index in todo for batch in plan_micro_batches(
-        index, rows_by_shard[index], args.micro_batch_size, args.seq_length, options)]
+def _capture_steps(kind: CacheKind, lockstep: Lockstep, batches: list[PlannedBatch], num_steps: int, writer: Any,
+                   progress: Progress, manifest: Manifest, plan: ParallelLayout, nan_policy: str,
+                   nonfinite: list[int]) -> int | None:
+    """The loop: every rank runs ``num_steps`` lockstep steps (fillers past its own batches); returns the step a
+    signal stopped every rank at, or None."""
+    for step in range(num_steps):
+        # Collective, every step: a signal on any rank stops every rank before the same forward. Shards
+        # whose rows are all written are finished (sidecar included); the .tmp of the others is deleted.
+        agreed = lockstep.agree()
+        if agreed.stop:
+            writer.close(partial=True)
+            lockstep.stop.finishing()
+            return step
+        batch = batches[step] if step < len(batches) else None
+        inputs = batch.model_inputs() if batch is not None else None
+        # Only the last position's logits: EAGLE-3 computes its distribution in chunks from the final
+        # hidden state, checked against these last logits.
+        output = lockstep.forward(agreed, inputs)
+        if batch is not None:
+            item = kind.micro_batch(batch, lockstep.target_forward.hooks, output, writes=plan.is_writer,
+                                    check_finite=lambda hidden, last: (
+                                        _check_finite(batch, hidden, last, manifest, nan_policy, nonfinite)))
+            if item is not None:
+                writer.put(item)
+            del item
+        progress.step(step, agreed.samples, agreed.tokens, writer=writer)
+    return None
 
 
 def _publish(kind: CacheKind, plan: ParallelLayout, out_dir: Path, manifest: Any, writer: Any, progress: Progress,
@@ -402,56 +401,6 @@ class _Prepared:
     recorded CPU thread count where the run continues a cache begun on CPU."""
     numerics_continued: bool = False
     """Rank 0: ``numerics`` carry the cache's recorded thread count (a rerun over it)."""
-
-
-@dataclass(frozen=True)
-class PlannedBatch:
-    """One forward: rows of one shard (their positions in it) computed at ``length`` <= seq_length."""
-
-    shard_index: int
-    rows: torch.Tensor
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    num_tokens: torch.Tensor
-    length: int
-
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The forward's inputs: the ids at the computed length, and no attention mask.
-
-        Rows are right-padded and the target is causal, so no content position can see a padding
-        position: the padding mask changes nothing there (bitwise, on every family's equality test), and
-        without it attention takes its causal kernel (SDPA on CPU: ~20% less forward time at seq 1024).
-        Padding positions' states are computed but never written."""
-        return {"input_ids": self.input_ids[:, :self.length]}
-
-
-def plan_micro_batches(shard_index: int, rows: tuple, batch_size: int, seq_length: int, options) -> list[PlannedBatch]:
-    """The micro-batches of one shard.
-
-    Rows are optionally sorted by length within the shard, and each batch is computed at its longest
-    row rounded up to ``pad_to_multiple_of`` (0: at ``seq_length``). The plan depends only on the
-    shard, so every layout (single, DP, TP, EP, FSDP2) forwards exactly the same batches.
-    """
-    input_ids, loss_mask, num_tokens = rows
-    order = torch.arange(len(input_ids))
-    if options.sort_by_length:
-        order = torch.sort(num_tokens, descending=True, stable=True).indices
-    batches = []
-    for lo in range(0, len(order), batch_size):
-        picked = order[lo:lo + batch_size]
-        length = seq_length
-        if options.pad_to_multiple_of:
-            multiple = options.pad_to_multiple_of
-            longest = max(1, int(num_tokens[picked].max()))
-            length = min(seq_length, -(-longest // multiple) * multiple)
-        batches.append(PlannedBatch(shard_index=shard_index, rows=picked, input_ids=input_ids[picked],
-                                    loss_mask=loss_mask[picked].clone(), num_tokens=num_tokens[picked],
-                                    length=length))
-    return batches
-
-
-def _padding_batch(length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.full((1, length), pad_id, dtype=torch.long)}
 
 
 def _rows_in(manifest: Manifest, shards) -> int:

@@ -11,7 +11,9 @@ In: a validated :class:`~ds_capture.recipe.config.RunConfig` and the launcher's
   process group and what keeps a sharded job honest (DeepSpeed's CPU all-reduce repaired, :class:`FailFast`,
   :class:`Liveness`, a dead peer's collective as a clear message);
 - :func:`build_target_model`: the engine's sharded model (deepspeed | fsdp2 | single);
-- :class:`TargetForward`: the scoped hooks and the per-micro-batch forward every rank runs together.
+- :class:`TargetForward`: the scoped hooks and the per-micro-batch forward;
+- :class:`Lockstep`: the step every rank of every driver runs together: one small integer collective agrees on
+  the stop vote, every rank's micro-batch and its shape, and the fillers a rank forwards when it has fewer.
 
 The drivers decide where rows come from and where results go: :func:`ds_capture.runner.run_capture` (the offline
 cache) and :mod:`ds_capture.serve` (NeMo's remote target protocol), as vLLM's offline ``LLM`` and its API server
@@ -23,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -32,11 +35,12 @@ from ds_capture.cache.kind import CacheKind
 from ds_capture.cache.registry import kind_class
 from ds_capture.capture.chunked import forward_in_chunks
 from ds_capture.capture.hooks import LayerCapture, capture_hidden_states
+from ds_capture.capture.interrupt import VOTE_LAG_STEPS, StopOnSignal, StopVote
 from ds_capture.capture.liveness import Liveness
 from ds_capture.capture.safety import FailFast
 from ds_capture.errors import RerunError
 from ds_capture.parallel.cpu_threads import compute_on_cpu, resolve_cpu_threads, use_cpu_threads
-from ds_capture.parallel.dist import DistEnv, all_reduce_max_int, distributed_session, repair_cpu_allreduce
+from ds_capture.parallel.dist import DistEnv, distributed_session, repair_cpu_allreduce
 from ds_capture.parallel.engines import build_model
 from ds_capture.parallel.layout import ParallelLayout
 from ds_capture.recipe.config import RunConfig
@@ -141,6 +145,7 @@ class TargetForward:
         self.chunks_to_host = chunks_to_host
         self.carriers = target.family.chunk_carriers  # a NeMo-built family's own carriers of its layers' state
         self.query_blocks = target.family.chunk_query_blocks  # indexers scoring a chunk's queries in blocks
+        self.full_width = target.family.full_width
         # NeMo's classes take no `use_cache` (DeepSeek-V4.1's forward has no **kwargs; Kimi K3 passes them down).
         self.forward_kwargs = {"logits_to_keep": 1} if target.family.is_nemo else {"use_cache": False,
                                                                                     "logits_to_keep": 1}
@@ -149,23 +154,12 @@ class TargetForward:
         """The model forwards a micro-batch of ``length`` tokens takes: its chunks, or 1 for a whole row."""
         return 1 if self.chunk_tokens is None else max(1, math.ceil(length / self.chunk_tokens))
 
-    def agreed_forwards(self, inputs: dict[str, torch.Tensor], world_size: int) -> int | None:
-        """Under chunked prefill, the most model forwards any rank's micro-batch takes this step (collective, every
-        rank); ``None`` without one (whole rows: every micro-batch is one forward, or a world of one)."""
-        if self.chunk_tokens is None or world_size == 1:
-            return None
-        return all_reduce_max_int(self.forwards_for(inputs["input_ids"].shape[1]))
-
-    def forward(self, inputs: dict[str, torch.Tensor], *, num_forwards: int | None = None) -> Any:
+    def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
         """The model's output for ``inputs`` (already on the model's device); the hooks hold its captures.
 
-        Collective for sharded engines: every rank must run the same number of model forwards. Under chunked
-        prefill rows of other lengths take other numbers of chunks, so the drivers agree on ``num_forwards`` (the
-        most any rank needs) and a rank that needs fewer first forwards one-row fillers whose output is discarded."""
+        Collective for sharded engines: :meth:`Lockstep.forward` runs it, so that every rank runs as many model
+        forwards as every other (:meth:`forwards_for` of its micro-batch, after fillers)."""
         input_ids = inputs["input_ids"]
-        for _ in range((num_forwards or 1) - self.forwards_for(input_ids.shape[1])):
-            self.model(input_ids=torch.zeros(1, 8, dtype=input_ids.dtype, device=input_ids.device),
-                       **self.forward_kwargs)
         self.hooks.reset()
         chunked = self.forwards_for(input_ids.shape[1]) > 1
         self.hooks.to_host = chunked and self.chunks_to_host
@@ -187,6 +181,107 @@ def target_forward(model: torch.nn.Module, target: TargetInfo, layer_ids: list[i
     with torch.no_grad(), capture_hidden_states(model, target.family, layer_ids, target.num_hidden_layers,
                                                 pre_norm_last=pre_norm_last) as hooks:
         yield TargetForward(model, target, hooks, chunk_tokens=chunk_tokens, chunks_to_host=chunks_to_host)
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """What one rank says of one step: the shape of its micro-batch (0 rows: it has none) and whether it asks the
+    ranks to end (``serve --exit-on-disconnect``)."""
+
+    rows: int = 0
+    length: int = 0
+    exit: bool = False
+    samples: int = 0
+    """What the micro-batch adds to the job's progress (``run``'s writer ranks; 0 elsewhere), summed in
+    :class:`Step`."""
+    tokens: int = 0
+
+    def fields(self) -> tuple[int, ...]:
+        return self.rows, self.length, int(self.exit), self.samples, self.tokens
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every rank agreed for one step, the same on every rank (:meth:`Lockstep.agree`)."""
+
+    stop: bool
+    """A signal reached some rank: every rank stops at this step (``reason`` says which)."""
+    exit: bool
+    """Some rank asked to end."""
+    num_forwards: int
+    """Model forwards every rank runs this step: the most any rank's micro-batch takes (0: no rank has rows)."""
+    shapes: tuple[tuple[int, int], ...]
+    """Every rank's ``(rows, length)`` by global rank (a TP group's ranks learn their leader's micro-batch)."""
+    samples: int = 0
+    """The ballots' ``samples`` and ``tokens``, summed over the ranks (``run``'s progress, without a collective)."""
+    tokens: int = 0
+
+
+class Lockstep:
+    """The step every driver runs on every rank, in lockstep: ``run`` over its planned micro-batches, ``serve``
+    over the requests each replica's listener took.
+
+    Each step costs one small integer collective for control (:class:`StopVote`'s all-gather of every rank's
+    stop flags and :class:`Ballot`, on a gloo side group): the stop vote, every rank's next micro-batch and its
+    shape, and from them the number of model forwards every rank runs. A rank with fewer (no rows, or rows in
+    fewer chunks) forwards one-row fillers first, whose output is discarded: a sharded engine's forward is a
+    collective, and a rank that skipped one would hang the others (EP's all-to-all, FSDP2's gathers).
+
+    ``schedule``: every step's ballot, known in advance (``run``): each is cast :data:`VOTE_LAG_STEPS` steps
+    ahead and read when its step comes, so the collective never stalls a forward and data-parallel ranks may
+    drift that far apart. ``None`` (``serve``): each step's ballot is cast and read at the step."""
+
+    def __init__(self, forward: TargetForward, stop: StopOnSignal, *, device: torch.device, seq_length: int,
+                 pad_id: int = 0, schedule: Sequence[Ballot] | None = None) -> None:
+        self.target_forward, self.stop, self.device = forward, stop, device
+        self._vote = StopVote(stop, lag=VOTE_LAG_STEPS if schedule is not None else 0, width=len(Ballot().fields()))
+        self._schedule = schedule
+        self._cast = 0
+        # The filler: seq_length where the family computes every row at seq_length (its width is part of the
+        # bits), else a few tokens; a family that takes chunks never is full-width.
+        length = seq_length if forward.full_width else min(seq_length, 8)
+        self._filler = torch.full((1, length), pad_id, dtype=torch.long, device=device)
+        for _ in range(self._vote.lag):
+            self._cast_scheduled()
+
+    def _cast_scheduled(self) -> None:
+        ballot = self._schedule[self._cast] if self._cast < len(self._schedule) else Ballot()
+        self._vote.cast(ballot.fields())
+        self._cast += 1
+
+    def agree(self, ballot: Ballot | None = None) -> Step:
+        """This step's agreement (collective: every rank, every step). ``ballot``: this rank's micro-batch for the
+        step (``schedule`` is None), else the schedule's ballot ``lag`` steps ahead is cast."""
+        if self._schedule is None:
+            self._vote.cast(ballot.fields())
+        else:
+            self._cast_scheduled()
+        ballots = self._vote.read()[:, 2:]  # [world_size, fields]: the stop flags are read by the vote
+        rows, lengths, exits = ballots[:, 0].tolist(), ballots[:, 1].tolist(), ballots[:, 2].tolist()
+        num_forwards = max((self.target_forward.forwards_for(length) for count, length in zip(rows, lengths)
+                            if count), default=0)
+        return Step(stop=self._vote.stopping, exit=any(exits), num_forwards=num_forwards,
+                    shapes=tuple(zip(rows, lengths)), samples=int(ballots[:, 3].sum()), tokens=int(ballots[:, 4].sum()))
+
+    def forward(self, step: Step, inputs: dict[str, torch.Tensor] | None) -> Any:
+        """This rank's model forwards of ``step``: fillers up to ``step.num_forwards``, then ``inputs``' own (moved
+        to the model's device; None: fillers only, and no output). The hooks hold ``inputs``' captures."""
+        own = self.target_forward.forwards_for(inputs["input_ids"].shape[1]) if inputs is not None else 0
+        forward = self.target_forward
+        for _ in range(step.num_forwards - own):
+            forward.model(input_ids=self._filler, **forward.forward_kwargs)
+        if inputs is None:
+            forward.hooks.reset()  # the fillers' captures are nobody's
+            return None
+        return forward.forward({name: tensor.to(self.device) for name, tensor in inputs.items()})
+
+    def reason(self) -> str:
+        """Which signals stopped the ranks (``"SIGTERM on 2 of 2 ranks"``)."""
+        return self._vote.reason()
+
+    def close(self) -> None:
+        """Wait for the ballots in flight (every rank cast the same ones) and free the side group."""
+        self._vote.close()
 
 
 # What gloo / NCCL say when a peer process died under a collective.

@@ -119,8 +119,8 @@ def _forward_with_carriers(model: torch.nn.Module, inputs: dict[str, torch.Tenso
     """The chunks of a NeMo-built target, its layer kinds' state carried by ``carriers``; the last chunk's output.
 
     The chunks are forwarded without a mask: a right-padded row's content never sees its padding (causal), as in
-    :meth:`ds_capture.runner.PlannedBatch.model_inputs`; a client's mask (serve) with padding before content is
-    refused, as the carriers keep no per-row holes."""
+    :meth:`ds_capture.capture.micro_batches.PlannedBatch.model_inputs`; a client's mask (serve) with padding before
+    content is refused, as the carriers keep no per-row holes."""
     input_ids = inputs["input_ids"]
     mask = inputs.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):

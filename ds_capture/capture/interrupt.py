@@ -1,18 +1,20 @@
 """Preemption and Ctrl-C: SIGTERM or SIGINT on any rank stops every rank at the same micro-batch boundary.
 
 In:  the signals this process receives while a run is under way (:class:`StopOnSignal`, entered by the runner
-     around the whole run) and, at the top of every loop step, every rank's ballot (:meth:`StopVote.should_stop`).
+     around the whole run) and, at the top of every loop step, every rank's ballot (:meth:`StopVote.cast`; the
+     drivers cast theirs through ``session.Lockstep``, whose ballots carry the step's micro-batches too).
 Out: ``True`` from ``should_stop`` on every rank at the same step once any rank received a signal; the runner
      then lets the writer finish the shards whose rows are all written (with their checksum sidecars), deletes
      the ``.tmp`` of the others, and raises :class:`Interrupted` (a ``SystemExit`` with
      ``errors.RERUN_EXIT_CODE``, 75), which unwinds through the lock release and the process-group teardown.
 
 Why a vote: a rank must not stop alone (its peers would wait for it in the next collective until the timeout),
-and Slurm signals every task but not at the same instant. Each step every rank all-reduces
-``[ranks that got SIGINT, ranks that got SIGTERM]`` over a gloo side group, asynchronously, and reads the
-result of the vote cast ``VOTE_LAG_STEPS`` steps earlier: every rank reads the same sums at the same step,
-the read waits on an all-reduce that finished long ago (no device sync, no stall of the forward), and ranks of
-a data-parallel job can still drift that many steps apart as they could before.
+and Slurm signals every task but not at the same instant. Each step every rank all-gathers its ballot
+``[got SIGINT, got SIGTERM, ...]`` over a gloo side group, asynchronously, and reads the ballots cast
+``VOTE_LAG_STEPS`` steps earlier: every rank reads the same sums at the same step,
+the read waits on an all-gather that finished long ago (no device sync, no stall of the forward), and ranks of
+a data-parallel job can still drift that many steps apart as they could before. The same collective carries what
+the drivers' ranks agree on each step (:class:`ds_capture.session.Lockstep`): one control collective a step.
 
 A second signal ends the process at once: the first restores the default action. No Python runs then, but no
 final name can hold a partial file (every file is written to ``<name>.tmp`` and renamed whole), and the lock
@@ -29,6 +31,7 @@ import os
 import signal
 import threading
 from collections import deque
+from typing import Sequence
 
 from ds_capture.errors import RERUN_EXIT_CODE
 
@@ -105,38 +108,66 @@ def _exit_for_rerun(signum: int, frame) -> None:
 
 
 class StopVote:
-    """The per-step, collective decision to stop; every rank of the default group must create it and call
-    :meth:`should_stop` at every step, padding steps included (it is a collective)."""
+    """The per-step, collective decision to stop; every rank of the default group must create it and cast a
+    ballot at every step, padding steps included (it is a collective).
 
-    def __init__(self, stop: StopOnSignal, *, lag: int = VOTE_LAG_STEPS) -> None:
+    A ballot is this rank's stop flags ``[got SIGINT, got SIGTERM]`` followed by ``width`` integers of the
+    driver's own (:class:`ds_capture.session.Lockstep` puts the step's micro-batch shape there), all-gathered:
+    one small integer collective a step carries the stop vote and whatever else the ranks must agree on."""
+
+    def __init__(self, stop: StopOnSignal, *, lag: int = VOTE_LAG_STEPS, width: int = 0) -> None:
         import torch.distributed as torch_dist
 
         self.stop = stop
+        self.width = width
         self.world_size = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
         # A gloo side group: CPU tensors whatever the backend (an NCCL vote would sync the device every step),
         # and nothing in flight on the group the forward's collectives use.
         self._group = torch_dist.new_group(backend="gloo") if self.world_size > 1 else None
-        self._lag = lag if self._group is not None else 0
+        self.lag = lag if self._group is not None else 0
+        """Casts between a ballot and its reading (0 alone: nothing to wait for)."""
         self._pending: deque = deque()
         self.counts: tuple[int, int] = (0, 0)
-        """Ranks that had received SIGINT, SIGTERM, as of the vote that decided to stop."""
+        """Ranks that had received SIGINT, SIGTERM, as of the last ballots read."""
 
-    def should_stop(self) -> bool:
-        """Cast this rank's ballot; True on every rank at the same step once some rank received a signal."""
+    def cast(self, payload: Sequence[int] = ()) -> None:
+        """Start this rank's ballot: its stop flags and ``payload`` (``width`` integers); asynchronous."""
         import torch
         import torch.distributed as torch_dist
 
-        ballot = torch.tensor([self.stop.received == signal.SIGINT, self.stop.received == signal.SIGTERM],
-                              dtype=torch.int64)
-        work = torch_dist.all_reduce(ballot, group=self._group, async_op=True) if self._group is not None else None
-        self._pending.append((work, ballot))
-        if len(self._pending) <= self._lag:
-            return False
-        work, total = self._pending.popleft()
+        ballot = torch.tensor([self.stop.received == signal.SIGINT, self.stop.received == signal.SIGTERM,
+                               *payload], dtype=torch.int64)
+        assert ballot.numel() == 2 + self.width, (len(payload), self.width)
+        if self._group is None:
+            self._pending.append((None, [ballot]))
+            return
+        gathered = [torch.empty_like(ballot) for _ in range(self.world_size)]
+        self._pending.append((torch_dist.all_gather(gathered, ballot, group=self._group, async_op=True), gathered))
+
+    def read(self) -> "torch.Tensor | None":
+        """Every rank's ballot cast ``lag`` casts ago, ``[world_size, 2 + width]`` by rank (the same on every
+        rank); None while fewer casts were made. Sets :attr:`counts`."""
+        import torch
+
+        if len(self._pending) <= self.lag:
+            return None
+        work, gathered = self._pending.popleft()
         if work is not None:
-            work.wait()
-        self.counts = (int(total[0]), int(total[1]))
+            work.wait()  # usually finished long ago: the ballot was cast `lag` steps earlier
+        ballots = torch.stack(gathered)
+        self.counts = (int(ballots[:, 0].sum()), int(ballots[:, 1].sum()))
+        return ballots
+
+    @property
+    def stopping(self) -> bool:
+        """Some rank had received a signal, as of the last ballots read (the same answer on every rank)."""
         return sum(self.counts) > 0
+
+    def should_stop(self) -> bool:
+        """Cast this rank's ballot (no payload); True on every rank at the same step once some rank received a
+        signal."""
+        self.cast()
+        return self.read() is not None and self.stopping
 
     def reason(self) -> str:
         """``"SIGTERM on 2 of 2 ranks"`` for the vote that decided to stop."""

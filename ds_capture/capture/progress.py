@@ -1,13 +1,10 @@
 """Progress and metrics: a rank-0 progress bar over GLOBAL samples, and a metrics JSONL per run.
 
-In: per forward step, this rank's newly captured samples and tokens (only writer ranks count, so
-tensor-parallel replicas are not double-counted). Out: a tqdm bar on rank 0 (global samples done,
-tokens/s, ETA) and ``<cache>/.ds_capture/metrics.jsonl`` (one JSON object per interval: tokens/s,
-write MB/s, writer queue depth, peak memory). The metrics file is bookkeeping, not part of the
-cache contract.
-
-Collective: every ``interval`` steps all ranks all-reduce two integers, so ``step`` must be called
-by every rank at every step (padding steps included).
+In: per forward step, the job's newly captured samples and tokens, summed over the writer ranks (so
+tensor-parallel replicas are not double-counted) by the step's own collective (``session.Lockstep``: the
+ballots carry them). Out: a tqdm bar on rank 0 (global samples done, tokens/s, ETA) and
+``<cache>/.ds_capture/metrics.jsonl`` (one JSON object per interval: tokens/s, write MB/s, writer queue depth,
+peak memory). The metrics file is bookkeeping, not part of the cache contract. No collective of its own.
 """
 
 from __future__ import annotations
@@ -34,13 +31,12 @@ def peak_rss_bytes() -> int:
 
 
 class Progress:
-    def __init__(self, *, total_samples: int, already_done: int, is_rank0: bool, count_local: bool, show: bool,
+    def __init__(self, *, total_samples: int, already_done: int, is_rank0: bool, show: bool,
                  metrics_path: Path | None, interval: int) -> None:
         self.is_rank0 = is_rank0
-        self.count_local = count_local
         self.interval = interval
         self.metrics_path = metrics_path if is_rank0 else None
-        self.local = torch.zeros(2, dtype=torch.int64)  # samples, tokens not yet reduced
+        self.pending = [0, 0]  # samples, tokens of the steps since the last update
         self.global_samples = 0
         self.global_tokens = 0
         self.started = time.perf_counter()
@@ -53,20 +49,15 @@ class Progress:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
 
     def step(self, step: int, samples: int, tokens: int, *, writer=None, final: bool = False) -> None:
-        if self.count_local:
-            self.local += torch.tensor([samples, tokens])
+        """The job's ``samples`` and ``tokens`` of ``step`` (every rank's, summed); an update every ``interval``."""
+        self.pending = [self.pending[0] + samples, self.pending[1] + tokens]
         if not final and (step + 1) % self.interval:
             return
-        reduced = self.local.clone()
-        if torch.distributed.is_initialized():
-            reduced = reduced.to(collective_device())
-            torch.distributed.all_reduce(reduced)  # collective: every rank, same steps
-            reduced = reduced.cpu()
-        self.local.zero_()
-        self.global_samples += int(reduced[0])
-        self.global_tokens += int(reduced[1])
+        (samples, tokens), self.pending = self.pending, [0, 0]
+        self.global_samples += samples
+        self.global_tokens += tokens
         now = time.perf_counter()
-        self.bar.update(int(reduced[0]))
+        self.bar.update(samples)
         tokens_per_s = (self.global_tokens - self._last_tokens) / max(now - self._last_time, 1e-9)
         self.bar.set_postfix(tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         if self.metrics_path is not None:

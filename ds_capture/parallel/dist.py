@@ -4,7 +4,7 @@ In:  the process environment a launcher left behind (``deepspeed``, ``torchrun``
      MPICH / Intel MPI ``mpirun``, Slurm ``srun``, or nothing at all).
 Out: a frozen :class:`DistEnv` (rank, world, local size, master address, launcher), an initialised
      DeepSpeed/torch process group (none for a world of 1), and collectives the runner needs to stay
-     in lockstep: :func:`agree_on_error` and :func:`all_reduce_max_int`.
+     in lockstep: :func:`agree_on_error`, :func:`all_reduce_max_int` and :func:`all_gather_int`.
 
 Traps handled here (DESIGN §6): DeepSpeed's CPU shared-memory all-reduce is initialised only when
 ``LOCAL_SIZE == WORLD_SIZE``, segfaults when used without that, ignores the process group it is
@@ -405,12 +405,35 @@ def agree_on_error(local_error: BaseException | None) -> None:
 
 def all_reduce_max_int(value: int) -> int:
     """The maximum of ``value`` over all ranks (collective: every rank must call it); identity alone."""
+    import torch.distributed as torch_dist
+
+    tensor = _group_int(value)
+    if tensor is None:
+        return value
+    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def all_gather_int(value: int) -> list[int]:
+    """Every rank's ``value``, by rank (collective: every rank must call it); ``[value]`` alone."""
+    import torch
+    import torch.distributed as torch_dist
+
+    tensor = _group_int(value)
+    if tensor is None:
+        return [value]
+    gathered = [torch.empty_like(tensor) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(gathered, tensor)
+    return [int(item.item()) for item in gathered]
+
+
+def _group_int(value: int):
+    """``value`` as a one-element int64 tensor where the default group's collectives take it (nccl: this rank's
+    GPU); None without a process group."""
     import torch
     import torch.distributed as torch_dist
 
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return value
+        return None
     device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return torch.tensor([value], dtype=torch.int64, device=device)

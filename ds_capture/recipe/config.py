@@ -210,7 +210,7 @@ class CaptureOptions:
     them), and lists each skipped row with the refusal's reason in ``.ds_capture/skipped_rows.json``. Part of the
     cache's identity: a rerun with the other setting over the same directory is refused."""
     metrics_interval_steps: int = 8
-    """Forward steps between progress/metrics updates (each update is a small all-reduce)."""
+    """Forward steps between progress/metrics updates (no collective: each step's own carries the counts)."""
     gpu_memory_gib: float | None = None
     """GPU memory per rank (GiB) that ``run`` checks the layout against before any weight loads, with
     ``ds-capture plan``'s computation; default: the local CUDA device's total memory (no check on a machine

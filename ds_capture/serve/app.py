@@ -13,17 +13,10 @@ line, and one that hangs up mid-reply only its own answer. ``generate`` is admit
 (:class:`~ds_capture.serve.scheduler.Scheduler`): a full queue holds the connection (back-pressure), and only past
 the hard limit is a request refused (503 with ``Retry-After``).
 
-Draft vocabularies (:class:`VocabMappings`): NeMo 0.7.0's client sends no trainer identity (a ``requests.Session``
-per URL; headers ``Content-Type`` and requests' defaults), and the TCP source port changes with every new
-connection. So a vocabulary is bound to the connection that set it, and a new connection (a keep-alive close, a
-retry, a restarted trainer) gets its host's one live vocabulary; with two different live ones on the host it is
-refused (409, naming the fix), never given the other trainer's. With a ``store`` directory each vocabulary is also
-kept on disk (the ``set_vocab_mapping`` body) and restored when a restarted service becomes ready, live for
-``idle_s``: a trainer riding through a restart (``launch/slurm.sbatch``'s requeue) keeps its vocabulary.
+Draft vocabularies: :class:`~ds_capture.serve.vocabularies.VocabMappings` (bound to connections, per host).
 """
 
 import asyncio
-import hashlib
 import itertools
 import json
 import logging
@@ -33,12 +26,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ds_capture.durable import write_atomic
 from ds_capture.errors import CaptureError
 from ds_capture.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ds_capture.serve.protocol import BadRequest, parse_generate, parse_vocab_mapping
 from ds_capture.serve.scheduler import Job, QueueFull, Scheduler, Stopping
-from ds_capture.serve.supervision import VocabMapping
+from ds_capture.serve.vocabularies import VocabMappings
 from ds_capture.serve.wire import encode, encode_view
 
 OK = b'{"status": "ok"}'
@@ -47,159 +39,7 @@ CONNECTION_KEY = "ds_capture.connection"
 """The ASGI scope key carrying the id of the TCP connection a request came on (:class:`HttpServer`'s protocol)."""
 ABORT_KEY = "ds_capture.abort"
 """The ASGI scope key carrying a callable that resets the request's TCP connection (no answer is sent)."""
-VOCAB_SUFFIX = ".vocab"
 _LOG = logging.getLogger("ds_capture")
-
-
-class _Entry:
-    __slots__ = ("mapping", "used", "owners", "file")
-
-    def __init__(self, mapping: VocabMapping, used: float, file: Path | None = None) -> None:
-        self.mapping, self.used, self.owners, self.file = mapping, used, set(), file
-
-    def forget_file(self) -> None:
-        if self.file is not None:
-            self.file.unlink(missing_ok=True)
-            self.file = None
-
-
-class VocabMappings:
-    """The trainers' draft vocabularies: exact per connection, shared per client host (module docstring).
-
-    A ``set_vocab_mapping`` on a connection binds that connection to the mapping (replacing what the connection
-    set before; equal mappings on one host are one entry). A ``generate`` on a bound connection gets its own
-    mapping. On a connection that set none (a trainer's keep-alive connection replaced after a blip, a timeout's
-    retry, a restart with the same vocabulary), it gets the host's one *live* mapping and is bound to it; with two
-    or more live mappings on the host it is refused (409, naming the fix), never given a guess. A mapping is live
-    while a connection bound to it is open or a request used it within ``idle_s``; one that is neither is
-    forgotten. ``disconnect`` unbinds the connection (its mapping is forgotten when nothing else holds it).
-    """
-
-    def __init__(self, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 store: Path | None = None) -> None:
-        self.idle_s = idle_s
-        self._clock = clock
-        self.store = store
-        self._hosts: dict[str, list[_Entry]] = {}
-        self._bound: dict[object, _Entry] = {}  # connection -> its entry
-        self._lock = threading.Lock()
-
-    def _live(self, host: str, now: float) -> list[_Entry]:
-        """The host's live entries; the others are forgotten here."""
-        entries = self._hosts.get(host, [])
-        live = [entry for entry in entries if entry.owners or now - entry.used < self.idle_s]
-        for entry in entries:
-            if entry not in live:
-                entry.forget_file()
-        if live:
-            self._hosts[host] = live
-        else:
-            self._hosts.pop(host, None)
-        return live
-
-    def _bind(self, connection: object, entry: _Entry) -> None:
-        old = self._bound.get(connection)
-        if old is not None:
-            old.owners.discard(connection)
-        if connection is not None:
-            entry.owners.add(connection)
-            self._bound[connection] = entry
-
-    def set(self, host: str, connection: object, mapping: VocabMapping, raw: bytes | None = None) -> None:
-        """Bind ``connection`` to ``mapping`` (``raw``: its request body, kept in ``store`` when there is one)."""
-        with self._lock:
-            now = self._clock()
-            old = self._bound.pop(connection, None)
-            if old is not None:
-                old.owners.discard(connection)
-                if not old.owners:
-                    old.used = -float("inf")  # what this connection set before is replaced
-            entries = self._live(host, now)
-            entry = next((entry for entry in entries if entry.mapping.same_as(mapping)), None)
-            if entry is None:
-                entry = _Entry(mapping, now, self._keep(host, raw))
-                self._hosts.setdefault(host, []).append(entry)
-            entry.used = now
-            self._bind(connection, entry)
-
-    def get(self, host: str, connection: object) -> VocabMapping:
-        with self._lock:
-            now = self._clock()
-            entry = self._bound.get(connection)
-            if entry is not None:
-                entry.used = now
-                return entry.mapping
-            live = self._live(host, now)
-            if len(live) == 1:
-                live[0].used = now
-                self._bind(connection, live[0])
-                return live[0].mapping
-        if not live:
-            raise BadRequest(409, "generate before set_vocab_mapping: the trainer must send its draft vocabulary "
-                                  f"first (RemoteEagle3TargetModel.set_vocab_mapping; none live from host {host})",
-                             reason="no_vocab_mapping")
-        raise BadRequest(409, f"generate on a new connection from host {host}, where {len(live)} different draft "
-                              "vocabularies are in use: NeMo's client sends no trainer identity, so this service "
-                              "cannot tell whose request this is. Run one service per draft vocabulary, or give "
-                              "each trainer on a host its own source address; a vocabulary is forgotten "
-                              f"{self.idle_s:g} s after its trainer's last request and connection (--vocab-idle-s)",
-                         reason="vocab_mapping_ambiguous")
-
-    def closed(self, connection: object) -> None:
-        """The connection ended (its mapping stays live for ``idle_s`` after its last use)."""
-        with self._lock:
-            entry = self._bound.pop(connection, None)
-            if entry is not None:
-                entry.owners.discard(connection)
-
-    def disconnect(self, host: str, connection: object) -> None:
-        """NeMo's ``disconnect``: the trainer is done with its mapping."""
-        with self._lock:
-            entry = self._bound.pop(connection, None)
-            if entry is None:
-                live = self._live(host, self._clock())
-                entry = live[0] if len(live) == 1 else None
-            if entry is not None:
-                entry.owners.discard(connection)
-                if not entry.owners:
-                    entry.used = -float("inf")
-                    entry.forget_file()
-
-    def _keep(self, host: str, raw: bytes | None) -> Path | None:
-        """``raw`` written to ``store`` as ``<host>-<digest>.vocab`` (None without a store)."""
-        if self.store is None or raw is None:
-            return None
-        self.store.mkdir(parents=True, exist_ok=True)
-        path = self.store / f"{host.replace(':', '_')}-{hashlib.sha256(raw).hexdigest()[:16]}{VOCAB_SUFFIX}"
-        write_atomic(path, lambda tmp: tmp.write_bytes(raw))
-        return path
-
-    def restore(self, parse: Callable[[bytes], VocabMapping]) -> int:
-        """The vocabularies kept in ``store`` by a previous run of this replica, each live for ``idle_s`` from now
-        (a file that no longer parses is set aside, with one log line); returns how many."""
-        if self.store is None or not self.store.is_dir():
-            return 0
-        restored = 0
-        with self._lock:
-            now = self._clock()
-            for path in sorted(self.store.glob(f"*{VOCAB_SUFFIX}")):
-                host = path.name[: -len(VOCAB_SUFFIX)].rsplit("-", 1)[0]
-                try:
-                    mapping = parse(path.read_bytes())
-                except (BadRequest, OSError) as error:
-                    _LOG.warning("ds-capture serve: %s is not a draft vocabulary (%s); set aside as %s.bad", path,
-                                 getattr(error, "message", error), path.name)
-                    path.replace(path.with_name(path.name + ".bad"))
-                    continue
-                entries = self._hosts.setdefault(host, [])
-                if not any(entry.mapping.same_as(mapping) for entry in entries):
-                    entries.append(_Entry(mapping, now, path))
-                    restored += 1
-        return restored
-
-    def count(self) -> int:
-        with self._lock:
-            return sum(len(entries) for entries in self._hosts.values())
 
 
 class ServiceState:
@@ -244,80 +84,60 @@ class Dropped(Exception):
     a connection error; it dies of an error status)."""
 
 
-def build_app(state: ServiceState):
-    """The FastAPI application over ``state``."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-    from starlette.concurrency import run_in_threadpool
-    from starlette.requests import ClientDisconnect
+class _Http:
+    """What the routes share: the service's state and the answers, refusals and waits every route is built from."""
 
-    app = FastAPI(title="ds-capture serve", docs_url=None, redoc_url=None, openapi_url=None)
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
 
-    def error(endpoint: str, status: int, message: str, reason: str, headers: dict | None = None) -> Response:
-        state.metrics.count_request(endpoint, status)
-        state.metrics.refuse(reason)
+    def error(self, endpoint: str, status: int, message: str, reason: str, headers: dict | None = None):
+        """A refusal: ``{"error": message}`` with ``status``, counted under ``reason``."""
+        from fastapi.responses import JSONResponse
+
+        self.state.metrics.count_request(endpoint, status)
+        self.state.metrics.refuse(reason)
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-    def answer(endpoint: str, body: bytes, media_type: str = "application/json") -> Response:
-        state.metrics.count_request(endpoint, 200)
+    def answer(self, endpoint: str, body: bytes, media_type: str = "application/json"):
+        from fastapi.responses import Response
+
+        self.state.metrics.count_request(endpoint, 200)
         return Response(body, media_type=media_type)
 
-    async def read_body(request: Request, endpoint: str) -> bytes:
+    async def read_body(self, request, endpoint: str) -> bytes:
+        """The whole body, refused (413) past ``max_body_bytes`` before it is read whole; :class:`ClientGone` if the
+        client hangs up meanwhile."""
+        from starlette.requests import ClientDisconnect
+
+        limit = self.state.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(413, f"{endpoint}: body of {int(declared):,} bytes exceeds this service's limit of "
-                                  f"{state.max_body_bytes:,} (--max-body-mib)")
+                                  f"{limit:,} (--max-body-mib)")
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > state.max_body_bytes:
-                    raise BadRequest(413, f"{endpoint}: body exceeds this service's limit of "
-                                          f"{state.max_body_bytes:,} bytes (--max-body-mib)")
+                if size > limit:
+                    raise BadRequest(413, f"{endpoint}: body exceeds this service's limit of {limit:,} bytes "
+                                          "(--max-body-mib)")
                 chunks.append(chunk)
         except ClientDisconnect as gone:
-            raise ClientGone(f"{endpoint}: {host_of(request)} hung up after {size:,} bytes of its body") from gone
+            raise ClientGone(f"{endpoint}: {self.host_of(request)} hung up after {size:,} bytes of its body") from gone
         return b"".join(chunks)
 
-    def host_of(request: Request) -> str:
+    @staticmethod
+    def host_of(request) -> str:
         return request.client.host if request.client else "unknown"
 
-    def connection_of(request: Request) -> object:
+    @staticmethod
+    def connection_of(request) -> object:
         return request.scope.get(CONNECTION_KEY)
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, exc: BadRequest) -> Response:
-        return error(request.url.path.lstrip("/"), exc.status, exc.message, exc.reason, exc.headers)
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
-        _LOG.warning("ds-capture serve: %s (nothing answered)", exc)  # one line, no traceback
-        state.metrics.refuse("client_gone")
-        return Response(status_code=400)  # nobody reads it
-
-    @app.exception_handler(Dropped)
-    async def dropped(request: Request, exc: Dropped) -> Response:
-        abort = request.scope.get(ABORT_KEY)
-        if abort is not None:
-            abort()
-        state.metrics.refuse("stopping")
-        return Response(status_code=503)  # not sent: the connection is gone
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not state.ready.is_set():
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return Response(OK, media_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        state.metrics.queue_depth.set(state.scheduler.depth())
-        state.metrics.held.set(state.scheduler.held())
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    async def wait_ready() -> None:
+    async def wait_ready(self) -> None:
         """Before the body is read: while the target loads the request waits (the client's timeout is retried);
         once the service stops it is dropped."""
+        state = self.state
         while not state.ready.is_set():
             if state.stopping.is_set():
                 raise Dropped()
@@ -325,29 +145,9 @@ def build_app(state: ServiceState):
         if state.stopping.is_set():
             raise Dropped()
 
-    @app.post("/model_info")
-    async def model_info(request: Request) -> Response:
-        await wait_ready()
-        await read_body(request, "model_info")
-        return answer("model_info", json.dumps(state.model_info).encode())
-
-    @app.post("/input_embeddings")
-    async def input_embeddings(request: Request) -> Response:
-        await wait_ready()
-        await read_body(request, "input_embeddings")
-        body = await run_in_threadpool(state.embeddings_body)
-        return answer("input_embeddings", body, "application/octet-stream")
-
-    @app.post("/set_vocab_mapping")
-    async def set_vocab_mapping(request: Request) -> Response:
-        raw = await read_body(request, "set_vocab_mapping")
-        mapping = await run_in_threadpool(parse_vocab_mapping, raw, vocab_size=state.vocab_size)
-        await run_in_threadpool(state.mappings.set, host_of(request), connection_of(request), mapping, raw)
-        return answer("set_vocab_mapping", OK)
-
-    async def admit(job: Job):
+    async def admit(self, job: Job):
         """The job's future once the queue has room: the connection is held meanwhile (back-pressure)."""
-        scheduler = state.scheduler
+        scheduler = self.state.scheduler
         try:
             scheduler.hold(job.nbytes)
         except QueueFull as full:
@@ -363,15 +163,130 @@ def build_app(state: ServiceState):
         finally:
             scheduler.unhold(job.nbytes)
 
+
+def build_app(state: ServiceState):
+    """The FastAPI application over ``state``: its refusals, health and metrics, NeMo's session endpoints, and
+    ``generate``."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="ds-capture serve", docs_url=None, redoc_url=None, openapi_url=None)
+    http = _Http(state)
+    _add_refusals(app, http)
+    _add_status_routes(app, http)
+    _add_session_routes(app, http)
+    _add_generate(app, http)
+    return app
+
+
+def _add_refusals(app, http: _Http) -> None:
+    """A :class:`BadRequest` becomes its 4xx JSON; a client gone mid-body one log line; a dropped request a reset
+    connection, no status."""
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest) -> Response:
+        return http.error(request.url.path.lstrip("/"), exc.status, exc.message, exc.reason, exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        _LOG.warning("ds-capture serve: %s (nothing answered)", exc)  # one line, no traceback
+        http.state.metrics.refuse("client_gone")
+        return Response(status_code=400)  # nobody reads it
+
+    @app.exception_handler(Dropped)
+    async def dropped(request: Request, exc: Dropped) -> Response:
+        abort = request.scope.get(ABORT_KEY)
+        if abort is not None:
+            abort()
+        http.state.metrics.refuse("stopping")
+        return Response(status_code=503)  # not sent: the connection is gone
+
+
+def _add_status_routes(app, http: _Http) -> None:
+    """``GET /health`` (503 until every rank loaded, and once stopping) and ``GET /metrics``."""
+    from fastapi.responses import JSONResponse, Response
+
+    state = http.state
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.ready.is_set():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return Response(OK, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.queue_depth.set(state.scheduler.depth())
+        state.metrics.held.set(state.scheduler.held())
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_session_routes(app, http: _Http) -> None:
+    """NeMo's endpoints around ``generate``: ``model_info`` and ``input_embeddings`` (answered once ready), the draft
+    vocabulary, ``init_nccl`` (disabled), ``heartbeat`` and ``disconnect``."""
+    from fastapi import Request
+    from fastapi.responses import Response
+    from starlette.concurrency import run_in_threadpool
+
+    state = http.state
+
+    @app.post("/model_info")
+    async def model_info(request: Request) -> Response:
+        await http.wait_ready()
+        await http.read_body(request, "model_info")
+        return http.answer("model_info", json.dumps(state.model_info).encode())
+
+    @app.post("/input_embeddings")
+    async def input_embeddings(request: Request) -> Response:
+        await http.wait_ready()
+        await http.read_body(request, "input_embeddings")
+        body = await run_in_threadpool(state.embeddings_body)
+        return http.answer("input_embeddings", body, "application/octet-stream")
+
+    @app.post("/set_vocab_mapping")
+    async def set_vocab_mapping(request: Request) -> Response:
+        raw = await http.read_body(request, "set_vocab_mapping")
+        mapping = await run_in_threadpool(parse_vocab_mapping, raw, vocab_size=state.vocab_size)
+        await run_in_threadpool(state.mappings.set, http.host_of(request), http.connection_of(request), mapping, raw)
+        return http.answer("set_vocab_mapping", OK)
+
+    @app.post("/init_nccl")
+    async def init_nccl(request: Request) -> Response:
+        await http.read_body(request, "init_nccl")
+        return http.answer("init_nccl", b'{"status": "disabled"}')
+
+    @app.post("/heartbeat")
+    async def heartbeat(request: Request) -> Response:
+        await http.read_body(request, "heartbeat")
+        return http.answer("heartbeat", OK)
+
+    @app.post("/disconnect")
+    async def disconnect(request: Request) -> Response:
+        await http.read_body(request, "disconnect")
+        state.mappings.disconnect(http.host_of(request), http.connection_of(request))
+        state.disconnected.set()
+        return http.answer("disconnect", OK)
+
+
+def _add_generate(app, http: _Http) -> None:
+    """``generate``: once ready, the body read and checked, the request's draft vocabulary found, admitted to the
+    queue (held while it is full) and answered from the loop's future; dropped if the service stops first."""
+    from fastapi import Request
+    from fastapi.responses import Response
+    from starlette.concurrency import run_in_threadpool
+
+    state = http.state
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         started = time.perf_counter()
-        await wait_ready()
-        raw = await read_body(request, "generate")
+        await http.wait_ready()
+        raw = await http.read_body(request, "generate")
         parsed = await run_in_threadpool(parse_generate, raw, vocab_size=state.vocab_size,
                                          max_seq_length=state.max_seq_length, max_rows=state.max_rows)
-        mapping = state.mappings.get(host_of(request), connection_of(request))
-        future = await admit(Job(request=parsed, mapping=mapping, nbytes=len(raw)))
+        mapping = state.mappings.get(http.host_of(request), http.connection_of(request))
+        future = await http.admit(Job(request=parsed, mapping=mapping, nbytes=len(raw)))
         del raw
         state.metrics.queue_depth.set(state.scheduler.depth())
         state.metrics.in_flight.inc()
@@ -380,31 +295,12 @@ def build_app(state: ServiceState):
         except Stopping as stopped:
             raise Dropped() from stopped
         except Exception as failed:  # noqa: BLE001 - this request's answer failed; the client hears why
-            return error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
+            return http.error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
         finally:
             state.metrics.in_flight.dec()
         body = await run_in_threadpool(encode_view, result)
         state.metrics.latency.observe(time.perf_counter() - started)
-        return answer("generate", body, "application/octet-stream")
-
-    @app.post("/init_nccl")
-    async def init_nccl(request: Request) -> Response:
-        await read_body(request, "init_nccl")
-        return answer("init_nccl", b'{"status": "disabled"}')
-
-    @app.post("/heartbeat")
-    async def heartbeat(request: Request) -> Response:
-        await read_body(request, "heartbeat")
-        return answer("heartbeat", OK)
-
-    @app.post("/disconnect")
-    async def disconnect(request: Request) -> Response:
-        await read_body(request, "disconnect")
-        state.mappings.disconnect(host_of(request), connection_of(request))
-        state.disconnected.set()
-        return answer("disconnect", OK)
-
-    return app
+        return http.answer("generate", body, "application/octet-stream")
 
 
 class HttpServer:

@@ -178,14 +178,16 @@ class Scheduler:
                     else:
                         kept.append(job)
                 self._jobs = kept
-            self._taken = list(taken)
+            self._taken.extend(taken)
             self._cond.notify_all()  # room for the requests held back
             return taken
 
-    def done(self) -> None:
-        """The taken jobs are resolved (the loop answered them)."""
+    def done(self, jobs: list[Job] | None = None) -> None:
+        """Taken ``jobs`` are resolved (answered; None: every taken job). The loop takes the next forward's jobs
+        while the last one's are answered, so several takes may be unanswered at once."""
         with self._cond:
-            self._taken = []
+            answered = {id(job) for job in jobs or ()}
+            self._taken = [] if jobs is None else [job for job in self._taken if id(job) not in answered]
 
     def _release(self, job: Job) -> None:
         self._rows -= job.request.num_rows

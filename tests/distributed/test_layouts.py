@@ -101,11 +101,12 @@ def _worker(specs_path: str, out_root: str) -> None:
 
     torch.set_num_threads(1)
     import ds_capture.runner as runner
+    from ds_capture.capture.micro_batches import PlannedBatch
     from ds_capture.recipe.config import load_config
     from ds_capture.target.family import get_submodule
 
     real_build_model = runner.build_model
-    real_model_inputs = runner.PlannedBatch.model_inputs
+    real_model_inputs = PlannedBatch.model_inputs
     records: list[dict] = []
     content_masks: list = []
 
@@ -113,7 +114,7 @@ def _worker(specs_path: str, out_root: str) -> None:
         content_masks[:] = [torch.arange(batch.length)[None, :] < batch.num_tokens[:, None]]
         return real_model_inputs(batch)
 
-    runner.PlannedBatch.model_inputs = model_inputs_with_content_mask
+    PlannedBatch.model_inputs = model_inputs_with_content_mask
 
     def build_model_with_router_hooks(engine, target, plan, groups, **kwargs):
         model = real_build_model(engine, target, plan, groups, **kwargs)

@@ -7,7 +7,8 @@ on a host: a 409 naming the fix); a mapping no one used for ``idle_s`` is forgot
 with its body unread and is answered once ready; once the service stops an unanswered request is dropped (a
 connection error, which NeMo's client retries; never an error status); vocabularies kept in a store come back
 after a restart; a client hanging up mid-body is one log line; a cancelled future is skipped, never a crash;
-``close`` resolves taken jobs too; /metrics carries the histograms and the refusal counters.
+``close`` resolves taken jobs too; /metrics carries the histograms and the refusal counters; the start line lists
+the ports the replicas bound (``--port 0``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import httpx
 import pytest
 import torch
 
-from ds_capture.serve.app import HttpServer, ServiceState, VocabMappings, build_app
+from ds_capture.serve.app import HttpServer, ServiceState, build_app
+from ds_capture.serve.vocabularies import VocabMappings
 from ds_capture.serve.metrics import ServeMetrics
 from ds_capture.serve.protocol import GenerateRequest
 from ds_capture.serve.scheduler import Job, Scheduler, Stopping, resolve
@@ -382,3 +384,24 @@ def test_connections_reset_by_clients_are_freed():
         while alive() > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert alive() == 0
+
+
+def test_the_start_line_lists_the_ports_every_replica_bound(caplog):
+    """Under ``--port 0`` each replica's listener binds a free port of its own: the start line lists those, not
+    ``port + replica`` of its own port."""
+    from types import SimpleNamespace
+
+    from ds_capture.serve.loop import ServeOptions, _announce
+
+    plan = SimpleNamespace(rank=1, dp_rank=1, dp_size=2, world_size=2, tp_size=1, ep_size=1)
+    session = SimpleNamespace(target=SimpleNamespace(path="target", vocab_size=VOCAB), plan=plan, layer_ids=[1, 2])
+    service = FakeService()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ds_capture"):
+            _announce(service.state, session, ServeOptions(port=0), [40007, 40001])
+    finally:
+        service.server.sock.close()
+    assert service.state.ready.is_set()
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "replica 1 of 2 on http://127.0.0.1:40001" in line, line
+    assert line.endswith("remote_urls: [http://127.0.0.1:40007, http://127.0.0.1:40001]"), line

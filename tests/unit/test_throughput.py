@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from ds_capture.cache.common.names import BOOKKEEPING_DIR
 from ds_capture.errors import CaptureError
 from ds_capture.recipe.config import load_config
-from ds_capture.runner import plan_micro_batches, run_capture
+from ds_capture.capture.micro_batches import plan_micro_batches
+from ds_capture.runner import run_capture
 
 NUM_SAMPLES = 13  # two full shards of 6 and a short last shard of 1
 SHARD_SIZE = 6
