@@ -76,7 +76,7 @@ def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     input_ids = inputs["input_ids"]
     kwargs = {**forward_kwargs, "use_cache": True}
     cache, output = None, None
-    with carried_state(model, query_blocks) if query_blocks else nullcontext():
+    with carried_state(model, query_blocks, input_ids.shape[1]) if query_blocks else nullcontext():
         for start in range(0, input_ids.shape[1], chunk_tokens):
             end = start + chunk_tokens
             chunk = {"input_ids": input_ids[:, start:end]}

@@ -34,8 +34,8 @@ class DsaIndexerBlocks:
     """GLM-5's and DeepSeek-V3.2's DSA indexer: ``forward(hidden_states, q_resid, (cos, sin), mask [B, C, T],
     position_ids, cache)`` in blocks of queries; returns ``[B, C, min(index_topk, T)]`` int32 key indices."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, row_tokens: int) -> None:
+        self.module = module  # (row_tokens: the carriers' signature; a block's keys are the cache's)
 
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings, attention_mask,
                 position_ids=None, cache=None) -> torch.Tensor:
@@ -63,8 +63,8 @@ class CsaIndexerBlocks:
     of queries (multiples of the compress rate, so each block closes its own windows); returns ``[B, C, k]``
     compressed-key indices, ``-1`` where a query has fewer than k ready."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, row_tokens: int) -> None:
+        self.module = module  # (row_tokens: the carriers' signature; a block's keys are the cache's)
 
     def forward(self, hidden_states: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor, cache,
                 layer_idx: int) -> torch.Tensor:
@@ -100,8 +100,8 @@ class LatentMlaBlocks:
     returns_topk = True
     """GLM-5's attention returns its top-k for the next layers ("shared" indexer layers); DeepSeek-V3.2's does not."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: torch.nn.Module, row_tokens: int) -> None:
+        self.module = module  # (row_tokens: the carriers' signature; a block's keys are the cache's)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):

@@ -73,7 +73,7 @@ def _rank(rank: int, port: int, mode: str, signal_at: int | None, out: Path) -> 
     counts: dict = {}
     _counted(counts)
     model = _CountingModel()
-    family = SimpleNamespace(chunk_carriers=None, is_nemo=False, full_width=False)
+    family = SimpleNamespace(chunk_carriers=None, chunk_query_blocks=None, is_nemo=False, full_width=False)
     hooks = SimpleNamespace(reset=lambda: None, to_host=False)
     forward = TargetForward(model, SimpleNamespace(family=family), hooks, chunk_tokens=CHUNK)
     stop = SimpleNamespace(received=None)
