@@ -306,8 +306,10 @@ def _add_generate(app, http: _Http) -> None:
 class HttpServer:
     """uvicorn serving ``app`` from a thread, on a socket bound here (a busy port is a clear error at once).
 
-    uvicorn's h11 protocol, told which connection each request came on (``scope[CONNECTION_KEY]``) and calling
+    uvicorn's httptools protocol, told which connection each request came on (``scope[CONNECTION_KEY]``) and calling
     ``on_close(connection)`` when one ends: draft vocabularies are bound to connections (:class:`VocabMappings`).
+    httptools rather than h11: h11 joins every response into one more copy before writing it, and a ``generate``
+    answer is tens of MB (measured, 35 MB: 69 ms per request with h11, 44 ms with httptools, client included).
     """
 
     def __init__(self, app, host: str, port: int, on_close: Callable[[object], None] | None = None) -> None:
@@ -334,11 +336,11 @@ class HttpServer:
 
 
 def _tracking_protocol(on_close: Callable[[object], None] | None):
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     ids = itertools.count(1)
 
-    class ConnectionTracking(H11Protocol):
+    class ConnectionTracking(HttpToolsProtocol):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.connection_id = next(ids)
