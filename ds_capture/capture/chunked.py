@@ -18,7 +18,9 @@ declares one carrier per layer kind (:attr:`Family.chunk_carriers`), which :func
 NeMo's modules for one row's chunks (Kimi K3: :mod:`ds_capture.target.nemo_kda_mla_chunks`; DeepSeek-V4.1:
 :mod:`ds_capture.target.nemo_v41_chunks`).
 
-Every captured tensor equals the whole row's up to float summation order (fp32: within 1e-5 of the row maximum on
+On the CPU a chunk's causal attention against its prefix runs in two unmasked kernels
+(:mod:`ds_capture.target.chunk_attention`), as fast as a whole row's. Every captured tensor equals the whole row's
+up to float summation order (fp32: within 1e-5 of the row maximum on
 every family's tiny target, ``tests/unit/test_chunked_prefill.py``); activations are those of one chunk against
 its prefix, so memory grows with the row only through the carried state and the captured output.
 """
@@ -31,6 +33,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ds_capture.errors import CaptureError
+from ds_capture.target.chunk_attention import split_chunk_attention
 from ds_capture.target.families import Family
 
 
@@ -76,7 +79,8 @@ def forward_in_chunks(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
     input_ids = inputs["input_ids"]
     kwargs = {**forward_kwargs, "use_cache": True}
     cache, output = None, None
-    with carried_state(model, query_blocks, input_ids.shape[1]) if query_blocks else nullcontext():
+    with (carried_state(model, query_blocks, input_ids.shape[1]) if query_blocks else nullcontext(),
+          split_chunk_attention()):
         for start in range(0, input_ids.shape[1], chunk_tokens):
             end = start + chunk_tokens
             chunk = {"input_ids": input_ids[:, start:end]}

@@ -31,7 +31,7 @@ from ds_capture.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ds_capture.serve.protocol import BadRequest, parse_generate, parse_vocab_mapping
 from ds_capture.serve.scheduler import Job, QueueFull, Scheduler, Stopping
 from ds_capture.serve.vocabularies import VocabMappings
-from ds_capture.serve.wire import encode, encode_view
+from ds_capture.serve.wire import encode, encode_pieces
 
 OK = b'{"status": "ok"}'
 RETRY_AFTER_S = 5
@@ -40,6 +40,7 @@ CONNECTION_KEY = "ds_capture.connection"
 ABORT_KEY = "ds_capture.abort"
 """The ASGI scope key carrying a callable that resets the request's TCP connection (no answer is sent)."""
 _LOG = logging.getLogger("ds_capture")
+_PIECE_BYTES = 1 << 20  # a generate answer's largest write (measured on 35 MB: 256 KiB pieces 1.2x the time, assembled first 2.4x)
 
 
 class ServiceState:
@@ -103,6 +104,21 @@ class _Http:
 
         self.state.metrics.count_request(endpoint, 200)
         return Response(body, media_type=media_type)
+
+    def stream(self, endpoint: str, size: int, pieces: list):
+        """A binary answer written from ``pieces`` as they are (views of the answer's tensors, never assembled), at
+        most :data:`_PIECE_BYTES` per write: the transport then sends each mostly straight from the tensor."""
+        from fastapi.responses import StreamingResponse
+
+        async def slices():
+            for piece in pieces:
+                view = memoryview(piece)
+                for lo in range(0, len(view), _PIECE_BYTES):
+                    yield view[lo:lo + _PIECE_BYTES]
+
+        self.state.metrics.count_request(endpoint, 200)
+        return StreamingResponse(slices(), media_type="application/octet-stream",
+                                 headers={"content-length": str(size)})
 
     async def read_body(self, request, endpoint: str) -> bytes:
         """The whole body, refused (413) past ``max_body_bytes`` before it is read whole; :class:`ClientGone` if the
@@ -298,9 +314,9 @@ def _add_generate(app, http: _Http) -> None:
             return http.error("generate", 500, f"generate: {type(failed).__name__}: {failed}", "failed")
         finally:
             state.metrics.in_flight.dec()
-        body = await run_in_threadpool(encode_view, result)
+        size, pieces = await run_in_threadpool(encode_pieces, result)
         state.metrics.latency.observe(time.perf_counter() - started)
-        return http.answer("generate", body, "application/octet-stream")
+        return http.stream("generate", size, pieces)
 
 
 class HttpServer:

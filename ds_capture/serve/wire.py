@@ -33,33 +33,37 @@ def encode(tensors: dict[str, torch.Tensor | None]) -> bytes:
 
 
 def encode_view(tensors: dict[str, torch.Tensor | None]) -> memoryview:
-    """:func:`encode` assembled in one buffer, each tensor's bytes copied once, as a ``memoryview`` (an HTTP
-    response body takes it as it is: ``generate``'s answer is not copied again)."""
-    entries, size = [], 4
+    """:func:`encode` assembled in one buffer, each tensor's bytes copied once, as a ``memoryview``."""
+    size, pieces = encode_pieces(tensors)
+    buffer = bytearray(size)
+    pos = 0
+    for piece in pieces:
+        buffer[pos:pos + len(piece)] = piece
+        pos += len(piece)
+    return memoryview(buffer)
+
+
+def encode_pieces(tensors: dict[str, torch.Tensor | None]) -> tuple[int, list[bytes | memoryview]]:
+    """:func:`encode` as its total size and the pieces that make it, in order, none copied: the magic and each
+    entry's head as ``bytes``, each tensor's data as a view of the (CPU, contiguous) tensor's own memory. An HTTP
+    answer writes them as they are (``generate``'s answers are tens of MB: measured, a 35 MB answer streamed from
+    its tensors took 72-92 ms against 179-200 ms assembled first, httpx client included)."""
+    pieces: list[bytes | memoryview] = [struct.pack("<I", MAGIC)]
+    size = 4
     for key, tensor in tensors.items():
         name = key.encode("utf-8")
         if tensor is None:
-            head = struct.pack("<I", len(name)) + name + struct.pack("<B", 1)
-            entries.append((head, None))
-        else:
-            tensor = tensor.detach().cpu().contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            head = (struct.pack("<I", len(name)) + name + struct.pack("<BBB", 0, CODE_OF[tensor.dtype], tensor.ndim)
-                    + struct.pack(f"<{tensor.ndim}q", *tensor.shape) + struct.pack("<Q", nbytes))
-            entries.append((head, tensor))
-            size += nbytes
-        size += len(head)
-    buffer = bytearray(size)
-    struct.pack_into("<I", buffer, 0, MAGIC)
-    pos = 4
-    for head, tensor in entries:
-        buffer[pos:pos + len(head)] = head
-        pos += len(head)
-        if tensor is not None and tensor.numel():
-            data = tensor.reshape(-1).view(torch.uint8).numpy()
-            buffer[pos:pos + data.size] = memoryview(data)
-            pos += data.size
-    return memoryview(buffer)
+            pieces.append(struct.pack("<I", len(name)) + name + struct.pack("<B", 1))
+            size += len(pieces[-1])
+            continue
+        tensor = tensor.detach().cpu().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        pieces.append(struct.pack("<I", len(name)) + name + struct.pack("<BBB", 0, CODE_OF[tensor.dtype], tensor.ndim)
+                      + struct.pack(f"<{tensor.ndim}q", *tensor.shape) + struct.pack("<Q", nbytes))
+        size += len(pieces[-1]) + nbytes
+        if nbytes:
+            pieces.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return size, pieces
 
 
 def decode(raw: bytes) -> dict[str, torch.Tensor | None]:
