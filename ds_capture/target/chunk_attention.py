@@ -25,16 +25,17 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
-from transformers.modeling_utils import AttentionInterface
 
 
 @contextmanager
 def split_chunk_attention() -> Iterator[None]:
     """Within: every model's ``sdpa`` attention is :class:`_ChunkAttention`'s, and its ``sdpa`` masks are
     transformers' own, those of plain causal attention over a cache noted as such (transformers' mappings, restored
-    on exit)."""
+    on exit). transformers' modeling modules are imported here, not with this module (``ds-capture``'s commands that
+    load no model never import them)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
     attention, masks = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
     original_attention, original_mask = attention["sdpa"], masks["sdpa"]
     chunked = _ChunkAttention(original_attention)
@@ -51,8 +52,10 @@ class _ChunkAttention:
     look; any other is checked once, and the verdict kept for the next layers (transformers builds one mask per
     forward and hands it to every layer)."""
 
-    def __init__(self, fallback=sdpa_attention_forward) -> None:
-        self.fallback = fallback
+    def __init__(self, fallback=None) -> None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        self.fallback = fallback or sdpa_attention_forward
         self._mask: torch.Tensor | None = None
         self._verdict = False
         self._triangle: torch.Tensor | None = None
@@ -83,6 +86,8 @@ class _ChunkAttention:
         """transformers' ``sdpa_mask``, noting the masks it builds for the chunk's pattern: causal (no window, no
         overlay), no padding, queries at the cache's end (``q_offset = kv_length - q_length``, ``kv_offset = 0``)."""
 
+        from transformers.masking_utils import causal_mask_function
+
         def build(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
                   attention_mask=None, local_size=None, **kwargs):
             mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
@@ -106,6 +111,8 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scaling: float | None) -> torch.Tensor:
     """Causal attention of ``query`` (the last ``C`` positions) over ``key`` / ``value`` (``T`` positions), in
     transformers' output layout ``[B, C, H, D]``; ``groups`` query heads per key/value head."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     batch, heads, chunk, dim = query.shape
     prefix = key.shape[2] - chunk
