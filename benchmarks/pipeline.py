@@ -3,11 +3,12 @@
     python3 scripts/dev.py pipeline                  # the figures of README "The pipeline proves its worth"
     python benchmarks/pipeline.py [--out-dir outputs/pipeline] [--train-rows 96] [--heldout-rows 24] [--epochs 10]
 
-1. The target: the demo architecture trained on the bundled conversations (``ds_capture.demo.
-   ensure_trained_demo_target``, cached by fingerprint; its gate: mean greedy top-1 probability >= 0.5 on held-out
-   prompts). The split is fixed, within ``ds_capture.demo.HELD_OUT_ROWS`` (rows the target never saw, so the
-   original answers are not ones it has memorised): the drafters' training rows are its first ``--train-rows``,
-   the held-out rows its last ``--heldout-rows``.
+1. The target: the demo architecture trained on the bundled conversations, their answers in a style of its own
+   (``ds_capture.demo.ensure_trained_demo_target``, ``restyle``: a fixed table of word swaps, so that the bundled
+   answers stand for a dataset another model wrote; cached by fingerprint; its gate: mean greedy top-1 probability
+   >= 0.5 on held-out prompts). The split is fixed, within ``ds_capture.demo.HELD_OUT_ROWS`` (rows the target never
+   saw, so the original answers are not ones it has memorised): the drafters' training rows are its first
+   ``--train-rows``, the held-out rows its last ``--heldout-rows``.
 2. ``ds-capture regenerate`` (greedy) against one ``transformers serve`` of that target rewrites both, the
    held-out rows first (so that the drafter of the original answers trains while the training rows regenerate).
 3. ``ds-capture run`` into three EAGLE-3 caches, fp32, the full vocabulary as the draft vocabulary: the original

@@ -8,8 +8,9 @@ same arguments, same bytes. ``ensure_demo_target()`` builds the default target o
 ``demo_home()/targets`` and is safe to call from several ranks at once.
 
 ``ensure_trained_demo_target()`` (``demo:qwen3_moe_trained``) is the same architecture trained on the bundled
-conversations, so that its answers mean something (the acceptance pipeline, benchmarks/pipeline.py): built once
-the same way, gated on held-out rows.
+conversations with their answers in a style of its own (``restyle``), so that its answers mean something and differ
+from the dataset's (the acceptance pipeline, benchmarks/pipeline.py): built once the same way, gated on held-out
+rows.
 
 Used by the demo run (``ds-capture run`` with no target configured), the tests and the benchmarks:
 no model hub is needed anywhere.
@@ -22,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -264,10 +266,11 @@ def _ensure_built(name: str, fingerprint: dict, build) -> Path:
     return target
 
 
-# The trained demo target: the demo target's architecture trained on the bundled conversations, so that its
-# answers mean something (the random-init target is near-uniform: a drafter can learn nothing from it). Rows
-# HELD_OUT_ROWS of the bundled conversations are never trained on: the gate and the acceptance pipeline use them
-# (a drafter's training rows included, so their original answers are not ones the target has memorised).
+# The trained demo target: the demo target's architecture trained on the bundled conversations (their answers
+# restyled, ANSWER_STYLE below), so that its answers mean something (the random-init target is near-uniform: a
+# drafter can learn nothing from it). Rows HELD_OUT_ROWS of the bundled conversations are never trained on: the gate
+# and the acceptance pipeline use them (a drafter's training rows included, so their original answers are not ones
+# the target has memorised).
 TRAINED_TARGET_NAME = "qwen3_moe_trained"
 HELD_OUT_ROWS = range(150, 300)
 TRAINING = dict(steps=300, batch_size=8, lr=3e-3, warmup=20, seq_length=256, seed=0, threads=1)
@@ -280,9 +283,41 @@ RESPONSE_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_st
                      "fields": {"content": {"close_pattern": r"<\|im_end\|>", "content": "text"}}}
 
 
+# The trained target's own style. The bundled answers stand for a dataset written by another model: the target is
+# trained on them rewritten by a fixed table of word swaps (each word of a pair becomes the other, capitalised as
+# it was), so that its own answers, what regeneration yields, are phrased unlike the dataset's, as a real target's
+# are unlike a dataset's it did not write. Learnable (a fixed word map; about 30% of the answers' words change).
+ANSWER_STYLE = (("the", "a"), ("and", "or"), ("of", "for"), ("it", "that"), ("is", "are"), ("in", "at"),
+                ("to", "from"), ("then", "again"), ("one", "an"), ("you", "we"), ("with", "by"), ("its", "their"))
+_SWAPS = {**dict(ANSWER_STYLE), **{b: a for a, b in ANSWER_STYLE}}
+
+
+def _swap_word(match: re.Match) -> str:
+    word = match.group(0)
+    lower = word.lower()
+    if lower not in _SWAPS or word not in (lower, lower.capitalize()):
+        return word
+    return _SWAPS[lower] if word == lower else _SWAPS[lower].capitalize()
+
+
+def restyle(row: dict) -> dict:
+    """``row`` with its assistant answers (content and reasoning) in the trained target's style (ANSWER_STYLE);
+    the other turns, and tool calls, as written."""
+    messages = []
+    for message in row["messages"]:
+        message = dict(message)
+        if message["role"] == "assistant" and not message["content"].startswith("<tool_call>"):
+            for key in ("content", "reasoning_content"):
+                if isinstance(message.get(key), str):
+                    message[key] = re.sub(r"[A-Za-z]+", _swap_word, message[key])
+        messages.append(message)
+    return dict(row, messages=messages)
+
+
 def _trained_fingerprint() -> dict:
     return dict(_demo_fingerprint(), name=TRAINED_TARGET_NAME, training=TRAINING, held_out=[HELD_OUT_ROWS.start,
-                HELD_OUT_ROWS.stop], torch=torch.__version__.split("+")[0], response_template=RESPONSE_TEMPLATE)
+                HELD_OUT_ROWS.stop], torch=torch.__version__.split("+")[0], response_template=RESPONSE_TEMPLATE,
+                answer_style=[list(pair) for pair in ANSWER_STYLE])
 
 
 def demo_rows() -> list[dict]:
@@ -291,8 +326,9 @@ def demo_rows() -> list[dict]:
 
 
 def ensure_trained_demo_target() -> Path:
-    """Train the demo target on the bundled conversations once (cached as ``ensure_demo_target`` caches) and
-    return its directory; its stamp also holds the gate's figure (``target_top1``)."""
+    """Train the demo target on the bundled conversations, their answers restyled (``restyle``), once (cached as
+    ``ensure_demo_target`` caches) and return its directory; its stamp also holds the gate's figure
+    (``target_top1``)."""
     return _ensure_built(TRAINED_TARGET_NAME, _trained_fingerprint(), _build_trained_target)
 
 
@@ -303,7 +339,7 @@ def trained_target_top1(target: Path) -> float:
 
 def _build_trained_target(out_dir: Path) -> Path:
     tokenizer = demo_tokenizer()
-    model = train_demo_model(demo_rows()[: HELD_OUT_ROWS.start], tokenizer, **TRAINING)
+    model = train_demo_model([restyle(row) for row in demo_rows()[: HELD_OUT_ROWS.start]], tokenizer, **TRAINING)
     prompts = [_first_prompt(row) for row in demo_rows()[HELD_OUT_ROWS.start: HELD_OUT_ROWS.stop]]
     top1 = greedy_top1(model, tokenizer, prompts, new_tokens=GATE["new_tokens"])
     if top1 < GATE["min_top1"]:

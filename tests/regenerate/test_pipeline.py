@@ -1,12 +1,12 @@
 """The acceptance pipeline end to end, shortened (``--full``): benchmarks/pipeline.py with fewer rows and epochs.
 
-The trained demo target (built in this session's DS_CAPTURE_HOME, gated at a mean greedy top-1 probability of 0.5
-on held-out prompts), ``ds-capture regenerate`` against ``transformers serve`` of it, three fp32 EAGLE-3 caches,
-NeMo's ``train_eagle3`` from each training cache and once against ``ds-capture serve``. The ordering must hold by
-both measures of tau: a trained drafter accepts more than the untrained one, the one trained on regenerated answers
-more than the one trained on the original answers, and the drafter trained online through ``serve`` as much as the
-one trained from the cache of the same rows; and the two measures, the same quantity on the same held-out rows,
-agree.
+The trained demo target (built in this session's DS_CAPTURE_HOME, trained on the bundled answers in a style of its
+own, gated at a mean greedy top-1 probability of 0.5 on held-out prompts), ``ds-capture regenerate`` against
+``transformers serve`` of it, three fp32 EAGLE-3 caches, NeMo's ``train_eagle3`` from each training cache and once
+against ``ds-capture serve``. The ordering must hold by both measures of tau: a trained drafter accepts more than
+the untrained one, the one trained on regenerated answers more than the one trained on the original answers (by
+more than 0.2), and the drafter trained online through ``serve`` as much as the one trained from the cache of the
+same rows; and the two measures, the same quantity on the same held-out rows, agree.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def test_pipeline_orders_the_drafters(tmp_path):
     assert set(tau) == {"untrained", "original", "regenerated", "online"}
     for method in ("nemo", "decoder"):
         assert tau["original"][method] > tau["untrained"][method] + 0.3, (method, tau)
-        assert tau["regenerated"][method] > tau["original"][method], (method, tau)
+        # The target answers in a style of its own (demo.restyle): training on its regenerated answers beats
+        # training on the dataset's by more than the pipeline's goal (0.2), even shortened (+0.36 when written).
+        assert tau["regenerated"][method] > tau["original"][method] + 0.2, (method, tau)
         assert abs(tau["online"][method] - tau["regenerated"][method]) <= 0.05, (method, tau)
     for name in ("untrained", "original", "regenerated", "online"):
         assert 1.0 <= tau[name]["decoder"] <= 4.0 and 1.0 <= tau[name]["nemo"] <= 4.0

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -281,8 +282,9 @@ def test_trained_demo_model_is_deterministic():
 
 
 def test_trained_target_is_held_out_and_gated(monkeypatch, tmp_path):
-    """The trained target never sees HELD_OUT_ROWS; a target under the gate is refused, naming the figure and the
-    fix, and nothing is left where the target would be. (The random-init model stands in for a failed training.)"""
+    """The trained target never sees HELD_OUT_ROWS and trains on its own style of the answers; a target under the
+    gate is refused, naming the figure and the fix, and nothing is left where the target would be. (The random-init
+    model stands in for a failed training.)"""
     monkeypatch.setenv("DS_CAPTURE_HOME", str(tmp_path))
     monkeypatch.setitem(demo.GATE, "new_tokens", 2)
     trained_on = []
@@ -294,9 +296,29 @@ def test_trained_target_is_held_out_and_gated(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "train_demo_model", untrained)
     with pytest.raises(CaptureError) as err:
         demo.ensure_trained_demo_target()
-    assert trained_on == _rows()[: demo.HELD_OUT_ROWS.start]
+    assert trained_on == [demo.restyle(row) for row in _rows()[: demo.HELD_OUT_ROWS.start]]
     assert str(err.value).startswith("the trained demo target's mean greedy top-1 probability on the held-out prompts "
                                      "is 0.0")
     assert "under the gate's 0.5" in str(err.value) and "raise its steps or learning rate" in str(err.value)
     assert not (tmp_path / "targets" / demo.TRAINED_TARGET_NAME).exists()
     assert demo._trained_fingerprint() != demo._demo_fingerprint()
+    assert demo._trained_fingerprint()["answer_style"] == [list(pair) for pair in demo.ANSWER_STYLE]
+
+
+def test_restyle_swaps_the_answers_words_only():
+    """The trained target's style: each word of an ANSWER_STYLE pair in an assistant answer (content and
+    reasoning) becomes the other, capitalised as it was; other turns, tool calls and other spellings stay as
+    written; the swap undoes itself; a quarter or more of the answers' words change."""
+    restyled = demo.restyle({"messages": CONVERSATION, "tools": []})
+    assert restyled["tools"] == [] and restyled["messages"][:4] == CONVERSATION[:4]
+    assert restyled["messages"][4] == {"role": "assistant", "content": "That are 4 degrees.",
+                                       "reasoning_content": "Read a tool result."}
+    row = {"messages": [{"role": "assistant", "content": "The cat and A dog; THE end, then an other."}]}
+    assert demo.restyle(row)["messages"][0]["content"] == "A cat or The dog; THE end, again one other."
+    rows = _rows()
+    assert all(demo.restyle(demo.restyle(row)) == row for row in rows)
+    words = [(re.findall("[A-Za-z]+", m["content"]), re.findall("[A-Za-z]+", demo.restyle({"messages": [m]})[
+        "messages"][0]["content"])) for row in rows for m in row["messages"] if m["role"] == "assistant"]
+    assert all(len(old) == len(new) for old, new in words)
+    changed = sum(a != b for old, new in words for a, b in zip(old, new))
+    assert changed >= 0.25 * sum(len(old) for old, _ in words)
