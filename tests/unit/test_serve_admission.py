@@ -405,3 +405,29 @@ def test_the_start_line_lists_the_ports_every_replica_bound(caplog):
     (line,) = [record.getMessage() for record in caplog.records]
     assert "replica 1 of 2 on http://127.0.0.1:40001" in line, line
     assert line.endswith("remote_urls: [http://127.0.0.1:40007, http://127.0.0.1:40001]"), line
+
+
+def test_a_request_head_is_bounded():
+    """httptools sets no bound on a request's head: past 64 KiB of URL and headers a request gets 400, and a header
+    that never ends is cut; a 20 KB header is served."""
+    def first_line(head: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", service.server.port), timeout=10) as sock:
+            sock.sendall(head)
+            return sock.recv(64).split(b"\r\n")[0]
+
+    with FakeService() as service:
+        get = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+        assert first_line(get + b"X: " + b"a" * 20_000 + b"\r\n\r\n") == b"HTTP/1.1 200 OK"
+        assert first_line(get + b"X: " + b"a" * 200_000 + b"\r\n\r\n") == b"HTTP/1.1 400 Bad Request"
+        many = b"".join(b"X%d: %s\r\n" % (i, b"a" * 1000) for i in range(100))
+        assert first_line(get + many + b"\r\n") == b"HTTP/1.1 400 Bad Request"
+        with socket.create_connection(("127.0.0.1", service.server.port), timeout=10) as sock:
+            sock.sendall(get + b"X: ")
+            for _ in range(200):  # 2 MB of one header value, never ended
+                try:
+                    sock.sendall(b"a" * 10_000)
+                except OSError:
+                    break
+            reply = sock.recv(64)
+        assert reply.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
+        assert first_line(get + b"\r\n") == b"HTTP/1.1 200 OK"  # the service goes on
