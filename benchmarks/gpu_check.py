@@ -11,10 +11,16 @@ Out: one JSON object (stdout and ``--out``):
     device's dense bf16 peak (2 x active parameters per token + causal attention, every row full length);
   - ``memory``: the same capture with ``capture.writer_buffer_mib`` 8192 and 0 (synchronous): micro-batches waiting
     to be written must hold no device memory (peak difference <= one micro-batch of states + 64 MiB), and ``ds-capture plan``'s estimate of the
-    rank's peak (minus its runtime reserve) must bound the measured ``torch.cuda.max_memory_allocated``.
+    rank's peak (minus its runtime reserve) must bound the measured ``torch.cuda.max_memory_allocated``;
+  - ``long_rows`` (issue 33): the tiny Kimi K3 and DeepSeek-V4.1 releases (NeMo's classes, ds_capture's chunk
+    carriers) capture one row of S = 16,384 and 32,768 tokens in bf16 on one GPU, in chunks of ``LONG_ROW_CHUNK``
+    and whole: the chunked cache equals the whole-row one (``ds-capture compare``, bf16 tolerance), the loop's
+    tokens/s side by side, and the chunked run's ``torch.cuda.max_memory_allocated`` beside plan's estimate for
+    the same recipe (minus its runtime reserve), which must bound it. A whole row that does not fit the device is
+    recorded as such (V4.1's dense attention bias is quadratic in S), not a failure.
 Without CUDA it prints ``{"skipped": true, ...}`` and exits 0 (benchmarks/gpu_check.sh is the entry point).
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json [--quick]
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json [--quick] [--only long_rows]
 """
 
 from __future__ import annotations
@@ -44,38 +50,49 @@ EP_ONLY_FAMILIES = ("deepseek_v3", "deepseek_v4")  # besides qwen3_moe: checked 
 THROUGHPUT_MODEL = dict(hidden_size=2048, intermediate_size=4096, moe_intermediate_size=1024, num_hidden_layers=8,
                         num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=16,
                         num_experts_per_tok=2)
+LONG_ROW_TARGETS = ("kimi_k3", "deepseek_v41")
+LONG_ROW_SEQS = (16384, 32768)
+LONG_ROW_CHUNK = 4096
+CHECKS = ("layouts", "throughput", "memory", "long_rows")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="qwen3_moe layouts only, one throughput run")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run only these checks")
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         result = {"skipped": True, "ok": True, "reason": "no CUDA device here (torch.cuda.is_available() is False)"}
     else:
-        result = run_checks(torch.cuda.device_count(), quick=args.quick)
+        result = run_checks(torch.cuda.device_count(), quick=args.quick, only=args.only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result, indent=2, sort_keys=True))
 
 
-def run_checks(num_gpus: int, *, quick: bool) -> dict:
+def run_checks(num_gpus: int, *, quick: bool, only: list[str] = CHECKS) -> dict:
     import torch
 
     name = torch.cuda.get_device_name(0)
     peak = next((tflops for key, tflops in BF16_PEAK_TFLOPS if key in name), None)
     started = time.perf_counter()
+    found: dict = {}
     with tempfile.TemporaryDirectory(prefix="ds_capture_gpu_check_") as tmp:
         work = Path(tmp)
-        layouts = check_layouts(work, num_gpus, quick=quick)
-        throughput = check_throughput(work, num_gpus, peak, quick=quick)
-        memory = check_memory(work)
-    ok = all(r["equal"] for r in layouts) and all(r["ok"] for r in throughput) and memory["ok"]
-    return {"skipped": False, "ok": ok, "device": name, "num_gpus": num_gpus, "bf16_peak_tflops": peak,
-            "layouts": layouts, "throughput": throughput, "memory": memory,
+        if "layouts" in only:
+            found["layouts"] = check_layouts(work, num_gpus, quick=quick)
+        if "throughput" in only or "memory" in only:  # the memory check captures with the throughput target
+            found["throughput"] = check_throughput(work, num_gpus, peak, quick=quick)
+        if "memory" in only:
+            found["memory"] = check_memory(work)
+        if "long_rows" in only:
+            found["long_rows"] = check_long_rows(work)
+    ok = (all(r["equal"] for r in found.get("layouts", [])) and all(r["ok"] for r in found.get("throughput", []))
+          and found.get("memory", {"ok": True})["ok"] and all(r["ok"] for r in found.get("long_rows", [])))
+    return {"skipped": False, "ok": ok, "device": name, "num_gpus": num_gpus, "bf16_peak_tflops": peak, **found,
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -155,6 +172,7 @@ def _long_conversations(path: Path, num_rows: int, seq_length: int) -> Path:
     texts = [m["content"] for line in demo_data_path().read_text().splitlines() for m in json.loads(line)["messages"]
              if isinstance(m.get("content"), str)]
     blob = " ".join(texts)
+    blob = blob * (1 + seq_length * 8 // max(1, len(blob)))  # long rows (issue 33's 32K) outgrow the demo's text
     with path.open("w") as out:
         for row in range(num_rows):
             start = (row * 997) % max(1, len(blob) - 1)
@@ -229,6 +247,67 @@ def check_memory(work: Path) -> dict:
             "one_micro_batch_mb": round(micro_batch / 2**20, 1), "queue_holds_no_device_memory": queue_ok,
             "plan_estimate_mb": round(estimate / 2**20, 1), "plan_bounds_measured": bound_ok,
             "measured_over_estimate": None if measured is None else round(measured / estimate, 3)}
+
+
+def check_long_rows(work: Path, *, seqs=LONG_ROW_SEQS, chunk: int = LONG_ROW_CHUNK, backend: str = "nccl",
+                    compute_dtype: str = "bf16") -> list[dict]:
+    """Issue 33 on the GPU: one long row of each NeMo-built family, chunked vs whole, and plan's bound."""
+    import importlib
+
+    from ds_capture.demo import demo_tokenizer
+    from ds_capture.recipe.config import load_config
+    from ds_capture.sizing.command import plan_capture
+
+    writers = {"kimi_k3": ("tests.nemo_k3_release", "write_tiny_k3_release"),
+               "deepseek_v41": ("tests.nemo_v41_release", "write_tiny_v41_release")}
+    results = []
+    for model_type in LONG_ROW_TARGETS:
+        module, writer = writers[model_type]
+        target = work / "targets" / model_type
+        getattr(importlib.import_module(module), writer)(target, seed=0, tokenizer=demo_tokenizer())
+        for seq in seqs:
+            data = _long_conversations(work / f"long_{seq}.jsonl", 1, seq)
+            runs = {}
+            for name, setting in (("chunked", chunk), ("whole", "off")):
+                recipe = _recipe(work, f"long_{model_type}_{seq}_{name}", target, data, seq_length=seq,
+                                 micro_batch_size=1, shard_size=1,
+                                 capture={"chunked_prefill": setting, "compute_dtype": compute_dtype})
+                _set_backend(recipe, backend, compute_dtype)
+                run = _run(recipe, 1, timeout_s=900)
+                metrics = work / "caches" / f"long_{model_type}_{seq}_{name}" / ".ds_capture" / "metrics.jsonl"
+                records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+                run["peak_cuda_mb"] = max((r["peak_cuda_mb"] for r in records if r.get("peak_cuda_mb") is not None),
+                                          default=None)  # None off CUDA
+                run["out_of_memory"] = "OutOfMemoryError" in run["log_tail"] or "out of memory" in run["log_tail"]
+                if name == "chunked":
+                    report = plan_capture(load_config(recipe), world_size=1, count_dataset=False)
+                    run["plan_chunk"] = report.chunk_tokens
+                    run["plan_estimate_mb"] = round((report.worst.peak_bytes - report.worst.reserve_bytes) / 2**20, 1)
+                runs[name] = run
+            chunked, whole = runs["chunked"], runs["whole"]
+            compared = _compare(work / "caches" / f"long_{model_type}_{seq}_chunked",
+                                work / "caches" / f"long_{model_type}_{seq}_whole") \
+                if chunked["returncode"] == 0 and whole["returncode"] == 0 else {"equal": None, "report": None}
+            bound = None if chunked["peak_cuda_mb"] is None else chunked["peak_cuda_mb"] <= chunked["plan_estimate_mb"]
+            ratio = (whole["tokens_per_s"] / chunked["tokens_per_s"]
+                     if whole["tokens_per_s"] and chunked["tokens_per_s"] else None)
+            results.append({
+                "model_type": model_type, "seq_length": seq, "chunk": chunk, "chunked": chunked, "whole": whole,
+                "equal": compared["equal"], "compare": compared["report"], "plan_bounds_measured": bound,
+                "chunked_time_over_whole": None if ratio is None else round(ratio, 3),
+                "ok": bool(chunked["returncode"] == 0 and compared["equal"] is not False
+                           and (whole["returncode"] == 0 or whole["out_of_memory"]) and bound is not False)})
+    return results
+
+
+def _set_backend(recipe: Path, backend: str, compute_dtype: str) -> None:
+    """The check's recipe on another backend and dtype (``check_long_rows`` run on a CPU as a dry run)."""
+    import yaml
+
+    body = yaml.safe_load(recipe.read_text())
+    body["dist_env"]["backend"] = backend
+    body["recipe_args"]["cache_dtype"] = compute_dtype
+    recipe.write_text(yaml.safe_dump(body, sort_keys=False))
 
 
 if __name__ == "__main__":

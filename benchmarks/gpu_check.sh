@@ -5,9 +5,10 @@
 #
 #   bash benchmarks/gpu_check.sh            # writes benchmarks/results/gpu_check.json (or $OUT/gpu_check.json)
 #   QUICK=1 bash benchmarks/gpu_check.sh    # qwen3_moe layouts only, one throughput run
+#   ONLY=long_rows bash benchmarks/gpu_check.sh   # one check (or several: ONLY="layouts long_rows")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 OUT_JSON="${OUT:+$OUT/gpu_check.json}"
 OUT_JSON="${OUT_JSON:-benchmarks/results/gpu_check.json}"
-exec "$PYTHON" benchmarks/gpu_check.py --out "$OUT_JSON" ${QUICK:+--quick}
+exec "$PYTHON" benchmarks/gpu_check.py --out "$OUT_JSON" ${QUICK:+--quick} ${ONLY:+--only $ONLY}
