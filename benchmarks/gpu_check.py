@@ -99,16 +99,18 @@ def run_checks(num_gpus: int, *, quick: bool, only: list[str] = CHECKS) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _recipe(work: Path, name: str, target: Path, data: Path, *, world_tp_ep_engine=(1, 1, 1, "deepspeed"),
-            seq_length: int = 256, micro_batch_size: int = 4, shard_size: int = 16, capture: dict | None = None) -> Path:
+            seq_length: int = 256, micro_batch_size: int = 4, shard_size: int = 16, capture: dict | None = None,
+            backend: str = "nccl", dtype: str = "bf16") -> Path:
+    """``backend`` / ``dtype`` other than nccl / bf16: a check's dry run on a CPU (gloo, fp32)."""
     import yaml
 
     _, tp, ep, engine = world_tp_ep_engine
-    recipe = {"engine": engine, "distributed": {"tp_size": tp, "ep_size": ep}, "dist_env": {"backend": "nccl"},
+    recipe = {"engine": engine, "distributed": {"tp_size": tp, "ep_size": ep}, "dist_env": {"backend": backend},
               "recipe_args": {"target_model_name_or_path": str(target), "train_data_path": str(data),
                               "cache_output_dir": str(work / "caches" / name), "seq_length": seq_length,
                               "micro_batch_size": micro_batch_size, "cache_shard_size": shard_size,
-                              "cache_dtype": "bf16"},
-              "capture": {"compute_dtype": "bf16", **(capture or {})}}
+                              "cache_dtype": dtype},
+              "capture": {"compute_dtype": dtype, **(capture or {})}}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -125,6 +127,13 @@ def _run(recipe: Path, world: int, timeout_s: int = 600) -> dict:
             "tokens_per_s": float(found.group(2).replace(",", "")) if found else None,
             "num_tokens": int(found.group(1).replace(",", "")) if found else None,
             "log_tail": "" if result.returncode == 0 else result.stdout[-3000:]}
+
+
+def _peak_cuda_mb(cache: Path) -> float | None:
+    """The largest ``peak_cuda_mb`` a run's ``.ds_capture/metrics.jsonl`` recorded (None: none, e.g. off CUDA)."""
+    metrics = cache / ".ds_capture" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return max((r["peak_cuda_mb"] for r in records if r.get("peak_cuda_mb") is not None), default=None)
 
 
 def _compare(a: Path, b: Path) -> dict:
@@ -229,9 +238,7 @@ def check_memory(work: Path) -> dict:
         recipe = _recipe(work, f"memory_b{buffer_mib}", target, data, seq_length=2048, micro_batch_size=8,
                          shard_size=64, capture={"pad_to_multiple_of": 0, "writer_buffer_mib": buffer_mib})
         run = _run(recipe, 1, timeout_s=900)
-        metrics = work / "caches" / f"memory_b{buffer_mib}" / ".ds_capture" / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        peaks[buffer_mib] = max((r.get("peak_cuda_mb") or 0 for r in records), default=None)
+        peaks[buffer_mib] = _peak_cuda_mb(work / "caches" / f"memory_b{buffer_mib}")
         if buffer_mib:
             report = plan_capture(load_config(recipe), world_size=1, count_dataset=False)
             estimate = report.worst.peak_bytes - report.worst.reserve_bytes
@@ -250,34 +257,31 @@ def check_memory(work: Path) -> dict:
 
 
 def check_long_rows(work: Path, *, seqs=LONG_ROW_SEQS, chunk: int = LONG_ROW_CHUNK, backend: str = "nccl",
-                    compute_dtype: str = "bf16") -> list[dict]:
+                    dtype: str = "bf16") -> list[dict]:
     """Issue 33 on the GPU: one long row of each NeMo-built family, chunked vs whole, and plan's bound."""
     import importlib
+
+    from chunked_prefill import NEMO_RELEASES  # the tiny releases' writers, as the CPU benchmark builds them
 
     from ds_capture.demo import demo_tokenizer
     from ds_capture.recipe.config import load_config
     from ds_capture.sizing.command import plan_capture
 
-    writers = {"kimi_k3": ("tests.nemo_k3_release", "write_tiny_k3_release"),
-               "deepseek_v41": ("tests.nemo_v41_release", "write_tiny_v41_release")}
     results = []
     for model_type in LONG_ROW_TARGETS:
-        module, writer = writers[model_type]
+        module, writer = NEMO_RELEASES[model_type]
         target = work / "targets" / model_type
         getattr(importlib.import_module(module), writer)(target, seed=0, tokenizer=demo_tokenizer())
         for seq in seqs:
             data = _long_conversations(work / f"long_{seq}.jsonl", 1, seq)
-            runs = {}
+            runs, caches = {}, {}
             for name, setting in (("chunked", chunk), ("whole", "off")):
-                recipe = _recipe(work, f"long_{model_type}_{seq}_{name}", target, data, seq_length=seq,
-                                 micro_batch_size=1, shard_size=1,
-                                 capture={"chunked_prefill": setting, "compute_dtype": compute_dtype})
-                _set_backend(recipe, backend, compute_dtype)
+                label = f"long_{model_type}_{seq}_{name}"
+                caches[name] = work / "caches" / label
+                recipe = _recipe(work, label, target, data, seq_length=seq, micro_batch_size=1, shard_size=1,
+                                 capture={"chunked_prefill": setting}, backend=backend, dtype=dtype)
                 run = _run(recipe, 1, timeout_s=900)
-                metrics = work / "caches" / f"long_{model_type}_{seq}_{name}" / ".ds_capture" / "metrics.jsonl"
-                records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-                run["peak_cuda_mb"] = max((r["peak_cuda_mb"] for r in records if r.get("peak_cuda_mb") is not None),
-                                          default=None)  # None off CUDA
+                run["peak_cuda_mb"] = _peak_cuda_mb(caches[name])
                 run["out_of_memory"] = "OutOfMemoryError" in run["log_tail"] or "out of memory" in run["log_tail"]
                 if name == "chunked":
                     report = plan_capture(load_config(recipe), world_size=1, count_dataset=False)
@@ -285,8 +289,7 @@ def check_long_rows(work: Path, *, seqs=LONG_ROW_SEQS, chunk: int = LONG_ROW_CHU
                     run["plan_estimate_mb"] = round((report.worst.peak_bytes - report.worst.reserve_bytes) / 2**20, 1)
                 runs[name] = run
             chunked, whole = runs["chunked"], runs["whole"]
-            compared = _compare(work / "caches" / f"long_{model_type}_{seq}_chunked",
-                                work / "caches" / f"long_{model_type}_{seq}_whole") \
+            compared = _compare(caches["chunked"], caches["whole"]) \
                 if chunked["returncode"] == 0 and whole["returncode"] == 0 else {"equal": None, "report": None}
             bound = None if chunked["peak_cuda_mb"] is None else chunked["peak_cuda_mb"] <= chunked["plan_estimate_mb"]
             ratio = (whole["tokens_per_s"] / chunked["tokens_per_s"]
@@ -298,16 +301,6 @@ def check_long_rows(work: Path, *, seqs=LONG_ROW_SEQS, chunk: int = LONG_ROW_CHU
                 "ok": bool(chunked["returncode"] == 0 and compared["equal"] is not False
                            and (whole["returncode"] == 0 or whole["out_of_memory"]) and bound is not False)})
     return results
-
-
-def _set_backend(recipe: Path, backend: str, compute_dtype: str) -> None:
-    """The check's recipe on another backend and dtype (``check_long_rows`` run on a CPU as a dry run)."""
-    import yaml
-
-    body = yaml.safe_load(recipe.read_text())
-    body["dist_env"]["backend"] = backend
-    body["recipe_args"]["cache_dtype"] = compute_dtype
-    recipe.write_text(yaml.safe_dump(body, sort_keys=False))
 
 
 if __name__ == "__main__":
