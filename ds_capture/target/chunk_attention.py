@@ -90,13 +90,16 @@ class _ChunkAttention:
 
         def build(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
                   attention_mask=None, local_size=None, **kwargs):
-            mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                             local_size, **kwargs)
-            if (mask is not None and mask_function is causal_mask_function and local_size is None and kv_offset == 0
+            if (mask_function is causal_mask_function and local_size is None and kv_offset == 0
                     and isinstance(q_offset, int) and q_offset == kv_length - q_length > 0
                     and (attention_mask is None or bool(attention_mask.all()))):
-                self._noted = mask
-            return mask
+                # The same mask in one pass (transformers' index comparisons cost 2.7x as much on the CPU: 15 vs
+                # 5.6 ms at C = 2,048, T = 8,192), one row's expanded over the batch.
+                triangle = torch.ones(q_length, kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+                self._noted = triangle.tril_(q_offset)[None, None].expand(batch_size, 1, q_length, kv_length)
+                return self._noted
+            return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                             local_size, **kwargs)
 
         return build
 

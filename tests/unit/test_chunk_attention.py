@@ -94,3 +94,13 @@ def test_chunked_forward_takes_it_and_leaves_transformers_mapping_as_it_was(tmp_
     with split_chunk_attention():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_the_noted_chunk_mask_is_transformers_own():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    built = _ChunkAttention().noting_masks(sdpa_mask)
+    for batch, chunk, total in ((1, 4, 12), (3, 32, 96), (2, 256, 2048)):
+        ours = built(batch, chunk, total, total - chunk, 0, causal_mask_function, torch.ones(batch, total, dtype=torch.bool))
+        theirs = sdpa_mask(batch, chunk, total, total - chunk, 0, causal_mask_function, None)
+        assert ours.shape == theirs.shape == (batch, 1, chunk, total) and torch.equal(ours, theirs)
