@@ -30,9 +30,9 @@ import torch
 @contextmanager
 def split_chunk_attention() -> Iterator[None]:
     """Within: every model's ``sdpa`` attention is :class:`_ChunkAttention`'s, and its ``sdpa`` masks are
-    transformers' own, those of plain causal attention over a cache noted as such (transformers' mappings, restored
-    on exit). transformers' modeling modules are imported here, not with this module (``ds-capture``'s commands that
-    load no model never import them)."""
+    transformers' own, those of plain causal attention over a cache built and noted as such (transformers'
+    mappings, restored on exit). transformers' modeling modules are imported here, not with this module
+    (``ds-capture``'s commands that load no model never import them)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -83,8 +83,9 @@ class _ChunkAttention:
         return self._verdict
 
     def noting_masks(self, sdpa_mask):
-        """transformers' ``sdpa_mask``, noting the masks it builds for the chunk's pattern: causal (no window, no
-        overlay), no padding, queries at the cache's end (``q_offset = kv_length - q_length``, ``kv_offset = 0``)."""
+        """transformers' ``sdpa_mask``, except for the chunk's pattern (causal, no window, no overlay, no padding,
+        queries at the cache's end: ``q_offset = kv_length - q_length``, ``kv_offset = 0``), whose mask is built here,
+        equal to transformers', and noted."""
 
         from transformers.masking_utils import causal_mask_function
 
