@@ -18,12 +18,16 @@ Out: one JSON object on stdout:
 With ``--latent-from 0`` GLM-5's MLA attends on the cached latent from the first chunk (as at release sizes past about
 12K tokens; ``ds_capture.target.attention_sizes.LATENT_ATTENTION_FROM_BYTES``): on these tiny rows the default keeps
 transformers' attention, whose CPU math kernel materialises ``[heads, C, T]`` scores that plan (sized for a GPU's
-kernels) does not count. Each measurement is its own process (``--one``), so peaks do not leak between them. One
+kernels) does not count. ``--overrides`` widens the tiny target (a transformers family's config keys, e.g. hidden size
+1,024): on the 64-wide target a row of 2,048 tokens takes under 0.1 s, so the fixed cost of each chunk's forward
+(Python over every layer and expert) weighs more than at any real width. Each measurement is its own process (``--one``), so peaks do not leak between them. One
 intra-op thread.
 
     . .venv/bin/activate
     python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--latent-from 0]
     python benchmarks/chunked_prefill.py --targets deepseek_v41 > benchmarks/results/chunked_prefill_deepseek_v41.json
+    python benchmarks/chunked_prefill.py --targets qwen3_moe --seqs 2048 --whole-max 0 --speed-seq 2048 --repeats 5 \
+        --overrides '{"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "head_dim": 64}'
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def one(spec: dict) -> dict:
     from tests.unit.test_families import family_target_builder
 
     work = Path(spec["work"])
-    target = _target(work / "targets", spec["model_type"], family_target_builder)
+    target = _target(work / "targets", spec["model_type"], family_target_builder, spec.get("overrides") or {})
     rows = [json.loads(line) for line in demo_data_path().read_text().splitlines()]
     turns = [m for row in rows for m in row["messages"] if m["role"] in ("user", "assistant")]
     per_turn = 12  # demo turns average ~30 tokens: cycle until the row surely fills S
@@ -122,7 +126,14 @@ def _planned(cfg) -> dict:
             "plan_growth_mb": round((rank.activation_bytes + rank.capture_bytes + rank.host_bytes) / mb, 1)}
 
 
-def _target(root: Path, model_type: str, family_target_builder) -> Path:
+def _target(root: Path, model_type: str, family_target_builder, overrides: dict) -> Path:
+    if overrides:  # a wider tiny target (--overrides): its own directory, built once
+        from ds_capture.demo import build_tiny_target
+
+        path = root / (model_type + "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())))
+        if not (path / "config.json").is_file():
+            build_tiny_target(path, model_type, seed=0, **overrides)
+        return path
     if model_type not in NEMO_RELEASES:
         return family_target_builder(root)(model_type)
     import importlib
@@ -153,6 +164,9 @@ def main() -> None:
     parser.add_argument("--speed-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--overrides", type=json.loads, default={},
+                        help='JSON config overrides of the tiny target (transformers families), e.g. '
+                             '\'{"hidden_size": 1024, "moe_intermediate_size": 512, "head_dim": 64}\'')
     parser.add_argument("--latent-from", type=int, default=None,
                         help="LATENT_ATTENTION_FROM_BYTES for the run (0: GLM-5's MLA on the latent from the first "
                              "chunk, as at release sizes past 12K tokens; default: the package's)")
@@ -161,14 +175,14 @@ def main() -> None:
         print(json.dumps(one(json.loads(args.one))))
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
-    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "latent_from": args.latent_from, "speed": {},
-                    "memory": {}}
+    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "latent_from": args.latent_from,
+                    "overrides": args.overrides, "speed": {}, "memory": {}}
     for model_type in args.targets:
         runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
         for _ in range(args.repeats):  # interleaved, so load on the box hits all alike
             for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4), ("auto", "auto")):
                 got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk,
-                               "latent_from": args.latent_from})
+                               "latent_from": args.latent_from, "overrides": args.overrides})
                 runs[name].append(got.get("seconds", float("nan")))
         if not args.repeats:
             report["speed"][model_type] = "not measured (--repeats 0)"
@@ -180,7 +194,8 @@ def main() -> None:
                                            "auto_ratio": round(auto / whole, 3)}
         rows = []
         for seq in args.seqs:
-            spec = {"work": str(work), "model_type": model_type, "seq": seq, "latent_from": args.latent_from}
+            spec = {"work": str(work), "model_type": model_type, "seq": seq, "latent_from": args.latent_from,
+                    "overrides": args.overrides}
             row = {"seq": seq, "chunked": measure({**spec, "chunk": args.chunk})}
             if seq <= args.whole_max:
                 row["whole"] = measure({**spec, "chunk": "off"})

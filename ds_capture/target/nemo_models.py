@@ -22,10 +22,12 @@ grouped_experts` is exact for the ``torch`` experts loop. NeMo wraps its expert 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import types
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
 
 import torch
@@ -76,7 +78,28 @@ def _without_process_group() -> Iterator[None]:
 
 
 def build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
-    """NeMo's model class for ``target`` on ``meta`` in ``dtype`` (its fp32 islands kept, as NeMo casts)."""
+    """NeMo's model class for ``target`` on ``meta`` in ``dtype`` (its fp32 islands kept, as NeMo casts).
+
+    Every call returns a model of its own (callers shard it in place). A family that builds Engram's tokenizer map
+    (it declares a ``planning_tokenizer``: V4.1, about 1 s per build at the release's vocabulary) is built once per
+    config, tokenizer, depth and dtype in a process and handed out as copies (0.1 s), for ``plan``, which sizes
+    many layouts of one target; the other classes build faster than they copy."""
+    if not target.family.planning_tokenizer:
+        return _build_nemo_meta_model(target, dtype=dtype)
+    path = Path(target.path)
+    files = [path / name for name in ("config.json", *tokenizer_files(path))]
+    key = (str(path.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()),
+           target.num_hidden_layers, target.checkpoint_num_hidden_layers, dtype)
+    if key not in _BUILT_ONCE:
+        _BUILT_ONCE.clear()  # one target at a time
+        _BUILT_ONCE[key] = _build_nemo_meta_model(target, dtype=dtype)
+    return copy.deepcopy(_BUILT_ONCE[key])
+
+
+_BUILT_ONCE: dict[tuple, nn.Module] = {}  # build_nemo_meta_model's last Engram model, as built
+
+
+def _build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
     from nemo_automodel.components.models.common.utils import cast_model_to_dtype
 
     family = target.family

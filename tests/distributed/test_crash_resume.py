@@ -7,7 +7,8 @@ renamed before its sidecar, before / after the manifest flip; on rank 0 only, ra
 ranks) and from outside (SIGKILL of every rank or of the launcher's process group once the output
 directory reaches a seeded state). The matrix runs as forked gloo ranks (the launcher's environment,
 imports paid once); a real ``torchrun`` job killed twice checks the CLI summary line. A 4-rank
-TP=2 x EP=2 run is killed at five points too.
+TP=2 x EP=2 run is killed at five points too. The CI cut leaves out two rank-1 kills of the 2-rank
+matrix and three of the 4-rank points; ``DS_CAPTURE_FULL=1`` runs them all.
 
     DS_CAPTURE_KILL_SEED=7 pytest tests/distributed/test_crash_resume.py     # other seeded points
 """
@@ -107,8 +108,14 @@ def assert_no_partial_final_shard(out: Path) -> None:
                                              "target_last_hidden_states"], name
 
 
+# CI cut: every point but two of the three rank-1 kills (each waits ~4 s for rank 0 to see its peer gone); the
+# rank-1 kill before the sidecar stays, the other two run with --full.
+SLOW_POINTS = {"mid-forward-rank1", "mid-shard-write-rank1"}
+
+
 @pytest.mark.timeout(300)  # the first one also builds the reference
-@pytest.mark.parametrize("kill", [spec for _, spec in POINTS], ids=[name for name, _ in POINTS])
+@pytest.mark.parametrize("kill", [pytest.param(spec, marks=pytest.mark.slow) if name in SLOW_POINTS else spec
+                                  for name, spec in POINTS], ids=[name for name, _ in POINTS])
 def test_killed_2rank_run_resumes_byte_identical(setup, tmp_path: Path, kill: str) -> None:
     out = tmp_path / "cache"
     cfg = write_recipe(tmp_path / "run.yaml", setup["target"], setup["data"], out)
@@ -213,7 +220,9 @@ def test_one_rank_raising_ends_every_rank_fast_with_the_cause_once(setup, tmp_pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kill", ["forward:4:2", "forward:2:all", "save:2:all", "sidecar:1:2", "flip:1:0"])
+# CI cut: a rank killed mid-forward and the manifest flip; the other three points with --full.
+@pytest.mark.parametrize("kill", ["forward:4:2", *[pytest.param(kill, marks=pytest.mark.slow) for kill in (
+    "forward:2:all", "save:2:all", "sidecar:1:2")], "flip:1:0"])
 def test_killed_tp2_ep2_run_resumes_byte_identical(setup, tmp_path: Path, kill: str) -> None:
     """4 ranks, TP=2 x EP=2 (dp=2; ranks 0 and 2 write), killed and rerun: identical to an uninterrupted
     run of the same layout."""

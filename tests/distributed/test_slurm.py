@@ -97,6 +97,7 @@ def test_the_sbatch_script_with_2_tasks_gives_the_one_process_cache(slurm_cluste
     assert_equals_reference(out, setup["reference"])
 
 
+@pytest.mark.slow  # CI cut: the sbatch script (which runs srun itself) stays; srun typed directly with --full
 @pytest.mark.timeout(300)
 def test_srun_with_2_tasks_gives_the_one_process_cache(slurm_cluster, setup, tmp_path) -> None:
     out = tmp_path / "cache"

@@ -65,3 +65,30 @@ def test_plan_counts_one_world_of_the_engram_tables_per_rank():
         print(f"world {world_size}, ep {world_size}:", {kind: round(gib, 1) for kind, gib in params.items()},
               f"total {sum(params.values()):.1f} GiB")
         assert table_gib < params["other"] < table_gib + 1.0, (world_size, params)
+
+
+def test_the_engram_model_is_built_once_per_config_and_handed_out_as_copies(tmp_path):
+    """V4.1's build spends ~1 s on Engram's tokenizer map, so ``plan`` (many layouts of one target) builds it once per
+    config and hands out copies: each caller gets a model of its own, and a changed config.json is built anew."""
+    from ds_capture.target import nemo_models
+    from ds_capture.target.families import read_target_info
+    from ds_capture.target.loading import build_meta_model
+
+    release = tmp_path / "deepseek_v41"
+    release.mkdir()
+    (release / "config.json").write_bytes((RELEASE_CONFIG / "config.json").read_bytes())
+    target = read_target_info(release)
+    first = build_meta_model(target, dtype=torch.bfloat16, attn_implementation=None)
+    second = build_meta_model(target, dtype=torch.bfloat16, attn_implementation=None)
+    assert first is not second and len(nemo_models._BUILT_ONCE) == 1
+    assert [(k, v.shape, v.dtype) for k, v in first.state_dict().items()] == [
+        (k, v.shape, v.dtype) for k, v in second.state_dict().items()]
+    del first.model.layers["1"]  # a caller shards or trims its copy in place: the next caller's is whole
+    third = build_meta_model(target, dtype=torch.bfloat16, attn_implementation=None)
+    assert len(first.model.layers) == 39 and len(third.model.layers) == len(second.model.layers) == 40
+
+    config = json.loads((release / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 41
+    (release / "config.json").write_text(json.dumps(config))
+    rebuilt = build_meta_model(read_target_info(release), dtype=torch.bfloat16, attn_implementation=None)
+    assert len(rebuilt.model.layers) == 41
