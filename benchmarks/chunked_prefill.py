@@ -6,8 +6,9 @@ Kimi K3 / DeepSeek-V4.1 release of ``tests/nemo_k3_release.py`` / ``tests/nemo_v
 ds_capture's carriers), one row per length made of the bundled demo conversations joined (cycled) until it fills S.
 Out: one JSON object on stdout:
 
-- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) at S = ``--speed-seq`` for whole rows, for chunks
-  of S/4 and for ``auto`` (no budget on a CPU: whole rows), each the median of ``--repeats`` runs interleaved, and
+- ``speed``: per target, ``run_capture``'s loop seconds (``capture_seconds``) per row, over ``--speed-rows`` rows of
+  S = ``--speed-seq`` tokens in one process, for whole rows, for chunks of S/4 and for ``auto`` (no budget on a CPU:
+  whole rows), each the median of ``--repeats`` runs interleaved, and
   ``ratio`` = chunked / whole (goal <= 1.15), ``auto_ratio`` = auto / whole;
 - ``memory``: per target and S in ``--seqs``, the peak RSS of a fresh process capturing one row with chunks of
   ``--chunk`` (and whole rows where ``--whole-max`` allows), over the same process's RSS right after the model
@@ -20,8 +21,9 @@ With ``--latent-from 0`` GLM-5's MLA attends on the cached latent from the first
 transformers' attention, whose CPU math kernel materialises ``[heads, C, T]`` scores that plan (sized for a GPU's
 kernels) does not count. ``--overrides`` widens the tiny target (a transformers family's config keys, e.g. hidden size
 1,024): on the 64-wide target a row of 2,048 tokens takes under 0.1 s, so the fixed cost of each chunk's forward
-(Python over every layer and expert) weighs more than at any real width. Each measurement is its own process (``--one``), so peaks do not leak between them. One
-intra-op thread.
+(Python over every layer and expert) weighs more than at any real width. Each measurement is its own process
+(``--one``), so peaks do not leak between them. Intra-op threads: ``--threads`` (the recipes' ``capture.cpu_threads``,
+default 1; the runs before 2026-12-06 left it at ``auto``, every core, though this said one thread).
 
     . .venv/bin/activate
     python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--latent-from 0]
@@ -83,13 +85,16 @@ def one(spec: dict) -> dict:
     per_turn = 12  # demo turns average ~30 tokens: cycle until the row surely fills S
     needed = spec["seq"] // per_turn
     data = Path(tempfile.mkdtemp(dir=work)) / "row.jsonl"
-    data.write_text(json.dumps({"messages": [turns[i % len(turns)] for i in range(needed - needed % 2)]}) + "\n")
+    rows = spec.get("rows", 1)  # row r starts r user / assistant pairs further into the cycled turns
+    lines = [json.dumps({"messages": [turns[(i + 2 * r) % len(turns)] for i in range(needed - needed % 2)]})
+             for r in range(rows)]
+    data.write_text("".join(line + "\n" for line in lines))
     out = data.parent / "cache"
     recipe = data.parent / "r.yaml"
     recipe.write_text(yaml.safe_dump({
         "recipe_args": dict(target_model_name_or_path=str(target), train_data_path=str(data), cache_output_dir=str(out),
                             seq_length=spec["seq"], micro_batch_size=1, cache_shard_size=1, cache_dtype="fp32"),
-        "capture": {"chunked_prefill": spec["chunk"], "writer_buffer_mib": 0}}))
+        "capture": {"chunked_prefill": spec["chunk"], "writer_buffer_mib": 0, "cpu_threads": spec.get("threads", 1)}}))
     cfg = load_config(recipe)
     import ds_capture.runner as runner
 
@@ -104,7 +109,8 @@ def one(spec: dict) -> dict:
     runner._build_model = build_and_measure
     summary = run_capture(cfg, show_progress=False)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": summary.capture_seconds, "tokens": summary.num_tokens, "rss_after_load_mb": round(loaded["rss_mb"], 1),
+    return {"seconds": summary.capture_seconds, "rows": rows, "tokens": summary.num_tokens,
+            "rss_after_load_mb": round(loaded["rss_mb"], 1),
             "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1), **_planned(cfg)}
 
 
@@ -163,6 +169,12 @@ def main() -> None:
     parser.add_argument("--whole-max", type=int, default=8192, help="largest S also captured as whole rows")
     parser.add_argument("--speed-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="capture.cpu_threads of every run (its intra-op threads; the recipe's auto would take "
+                             "every core)")
+    parser.add_argument("--speed-rows", type=int, default=4,
+                        help="rows per speed run (one process): its start-up (first-call allocations) weighs on each "
+                             "mode once, as in a capture of many rows; seconds are per row")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
     parser.add_argument("--overrides", type=json.loads, default={},
                         help='JSON config overrides of the tiny target (transformers families), e.g. '
@@ -175,15 +187,18 @@ def main() -> None:
         print(json.dumps(one(json.loads(args.one))))
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
-    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "latent_from": args.latent_from,
+    report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed_rows": args.speed_rows,
+                    "threads": args.threads,
+                    "latent_from": args.latent_from,
                     "overrides": args.overrides, "speed": {}, "memory": {}}
     for model_type in args.targets:
         runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
         for _ in range(args.repeats):  # interleaved, so load on the box hits all alike
             for name, chunk in (("whole", "off"), ("chunked", args.speed_seq // 4), ("auto", "auto")):
                 got = measure({"work": str(work), "model_type": model_type, "seq": args.speed_seq, "chunk": chunk,
-                               "latent_from": args.latent_from, "overrides": args.overrides})
-                runs[name].append(got.get("seconds", float("nan")))
+                               "latent_from": args.latent_from, "overrides": args.overrides, "rows": args.speed_rows,
+                               "threads": args.threads})
+                runs[name].append(got.get("seconds", float("nan")) / args.speed_rows)
         if not args.repeats:
             report["speed"][model_type] = "not measured (--repeats 0)"
         else:
@@ -195,7 +210,7 @@ def main() -> None:
         rows = []
         for seq in args.seqs:
             spec = {"work": str(work), "model_type": model_type, "seq": seq, "latent_from": args.latent_from,
-                    "overrides": args.overrides}
+                    "overrides": args.overrides, "threads": args.threads}
             row = {"seq": seq, "chunked": measure({**spec, "chunk": args.chunk})}
             if seq <= args.whole_max:
                 row["whole"] = measure({**spec, "chunk": "off"})
