@@ -28,6 +28,7 @@ default 1; the runs before 2026-12-06 left it at ``auto``, every core, though th
     . .venv/bin/activate
     python benchmarks/chunked_prefill.py [--seqs 4096 8192 16384 32768] [--chunk 1024] [--repeats 3] [--latent-from 0]
     python benchmarks/chunked_prefill.py --targets deepseek_v41 > benchmarks/results/chunked_prefill_deepseek_v41.json
+    python benchmarks/chunked_prefill.py --targets qwen3_moe --forward-only --speed-seq 8192 --repeats 7 --threads 2
     python benchmarks/chunked_prefill.py --targets qwen3_moe --seqs 2048 --whole-max 0 --speed-seq 2048 --repeats 5 \
         --overrides '{"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "head_dim": 64}'
 """
@@ -35,6 +36,7 @@ default 1; the runs before 2026-12-06 left it at ``auto``, every core, though th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -161,6 +163,38 @@ def measure(spec: dict) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def forward_speed(model_type: str, seq: int, threads: int, repeats: int, overrides: dict) -> dict:
+    """The model's forward alone, in this process: a whole row of ``seq`` demo tokens against
+    :func:`~ds_capture.capture.chunked.forward_in_chunks` in chunks of ``seq // 4``, ``repeats`` times interleaved
+    after a warm-up of each (no loading, hooks or writer): seconds per row, medians, ratio."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_capture.capture.chunked import forward_in_chunks
+    from ds_capture.demo import demo_data_path
+    from tests.unit.test_families import family_target_builder
+
+    torch.set_num_threads(threads)
+    path = _target(Path(tempfile.mkdtemp(prefix="chunked_forward_")), model_type, family_target_builder, overrides)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = demo_data_path().read_text()
+    ids = AutoTokenizer.from_pretrained(path)(text * (1 + seq // 2000), return_tensors="pt")["input_ids"][:, :seq]
+    assert ids.shape[1] == seq, "the demo text is shorter than the row"
+    forwards = {"whole": lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+                "chunked": lambda: forward_in_chunks(model, {"input_ids": ids}, seq // 4, {"logits_to_keep": 1})}
+    seconds: dict[str, list[float]] = {name: [] for name in forwards}
+    with torch.no_grad():
+        for name, forward in [*forwards.items()] * (repeats + 1):
+            started = time.perf_counter()
+            forward()
+            seconds[name].append(time.perf_counter() - started)
+    whole, chunked = (statistics.median(seconds[name][1:]) for name in forwards)  # the first of each: warm-up
+    return {"model_type": model_type, "seq": seq, "threads": threads, "overrides": overrides,
+            "whole_s": seconds["whole"], "chunked_s": seconds["chunked"], "median_whole_s": whole,
+            "median_chunked_s": chunked,
+            "ratio": round(chunked / whole, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -172,6 +206,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="capture.cpu_threads of every run (its intra-op threads; the recipe's auto would take "
                              "every core)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the model's forward alone in one process (transformers families), whole vs chunks "
+                             "of S/4 at --speed-seq, --repeats times interleaved; no capture, no memory rows")
     parser.add_argument("--speed-rows", type=int, default=4,
                         help="rows per speed run (one process): its start-up (first-call allocations) weighs on each "
                              "mode once, as in a capture of many rows; seconds are per row")
@@ -185,6 +222,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
+        return
+    if args.forward_only:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON alone (DeepSpeed logs there on import)
+            rows = [forward_speed(model_type, args.speed_seq, args.threads, args.repeats, args.overrides)
+                    for model_type in args.targets]
+        print(json.dumps(rows, indent=2))
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
     report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed_rows": args.speed_rows,
