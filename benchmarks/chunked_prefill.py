@@ -87,9 +87,9 @@ def one(spec: dict) -> dict:
     per_turn = 12  # demo turns average ~30 tokens: cycle until the row surely fills S
     needed = spec["seq"] // per_turn
     data = Path(tempfile.mkdtemp(dir=work)) / "row.jsonl"
-    rows = spec.get("rows", 1)  # row r starts r user / assistant pairs further into the cycled turns
+    num_rows = spec.get("rows", 1)  # row r starts r user / assistant pairs further into the cycled turns
     lines = [json.dumps({"messages": [turns[(i + 2 * r) % len(turns)] for i in range(needed - needed % 2)]})
-             for r in range(rows)]
+             for r in range(num_rows)]
     data.write_text("".join(line + "\n" for line in lines))
     out = data.parent / "cache"
     recipe = data.parent / "r.yaml"
@@ -111,7 +111,7 @@ def one(spec: dict) -> dict:
     runner._build_model = build_and_measure
     summary = run_capture(cfg, show_progress=False)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": summary.capture_seconds, "rows": rows, "tokens": summary.num_tokens,
+    return {"seconds": summary.capture_seconds, "rows": num_rows, "tokens": summary.num_tokens,
             "rss_after_load_mb": round(loaded["rss_mb"], 1),
             "peak_mb": round(peak_mb, 1), "growth_mb": round(peak_mb - loaded["rss_mb"], 1), **_planned(cfg)}
 
@@ -191,8 +191,7 @@ def forward_speed(model_type: str, seq: int, threads: int, repeats: int, overrid
     whole, chunked = (statistics.median(seconds[name][1:]) for name in forwards)  # the first of each: warm-up
     return {"model_type": model_type, "seq": seq, "threads": threads, "overrides": overrides,
             "whole_s": seconds["whole"], "chunked_s": seconds["chunked"], "median_whole_s": whole,
-            "median_chunked_s": chunked,
-            "ratio": round(chunked / whole, 3)}
+            "median_chunked_s": chunked, "ratio": round(chunked / whole, 3)}
 
 
 def main() -> None:
@@ -231,9 +230,8 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="chunked_prefill_"))
     report: dict = {"chunk": args.chunk, "speed_seq": args.speed_seq, "speed_rows": args.speed_rows,
-                    "threads": args.threads,
-                    "latent_from": args.latent_from,
-                    "overrides": args.overrides, "speed": {}, "memory": {}}
+                    "threads": args.threads, "latent_from": args.latent_from, "overrides": args.overrides,
+                    "speed": {}, "memory": {}}
     for model_type in args.targets:
         runs: dict[str, list[float]] = {"whole": [], "chunked": [], "auto": []}
         for _ in range(args.repeats):  # interleaved, so load on the box hits all alike

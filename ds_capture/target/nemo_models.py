@@ -87,8 +87,9 @@ def build_nemo_meta_model(target: Any, *, dtype: torch.dtype) -> nn.Module:
     if not target.family.planning_tokenizer:
         return _build_nemo_meta_model(target, dtype=dtype)
     path = Path(target.path)
-    files = [path / name for name in ("config.json", *tokenizer_files(path))]
-    key = (str(path.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()),
+    stats = {name: (path / name).stat() for name in ("config.json", *tokenizer_files(path))
+             if (path / name).is_file()}
+    key = (str(path.resolve()), tuple((name, st.st_mtime_ns, st.st_size) for name, st in stats.items()),
            target.num_hidden_layers, target.checkpoint_num_hidden_layers, dtype)
     if key not in _BUILT_ONCE:
         _BUILT_ONCE.clear()  # one target at a time
